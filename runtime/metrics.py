@@ -1,0 +1,118 @@
+"""Scalar metrics to JSONL and TensorBoard, and a progress display for long loops.
+
+Only process 0 writes; other processes get a writer that does nothing, so launch
+scripts call ``write`` unconditionally.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from tensorboardX import SummaryWriter
+
+
+def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Converts a mapping of 0-d arrays / numbers into plain Python floats."""
+    host = jax.device_get(dict(metrics))
+    scalars = {}
+    for name, value in host.items():
+        array = np.asarray(value)
+        if array.size != 1:
+            raise ValueError(f"metric {name!r} is not a scalar: shape {array.shape}")
+        scalars[name] = float(array.reshape(()))
+    return scalars
+
+
+class MetricWriter:
+    """Writes scalar dicts to ``<logdir>/metrics.jsonl`` and TensorBoard event files.
+
+    Args:
+      logdir: folder for both outputs; created if missing.
+      tensorboard: also write TensorBoard event files.
+      enabled: defaults to ``jax.process_index() == 0``.
+    """
+
+    def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None):
+        self.logdir = os.fspath(logdir)
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self._jsonl = None
+        self._tb = None
+        if self.enabled:
+            os.makedirs(self.logdir, exist_ok=True)
+            self._jsonl = open(os.path.join(self.logdir, "metrics.jsonl"), "a", encoding="utf-8")
+            if tensorboard:
+                self._tb = SummaryWriter(logdir=self.logdir, flush_secs=10)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Writes one row of scalars for ``step``; returns them as floats."""
+        scalars = to_scalars(metrics)
+        if not self.enabled:
+            return scalars
+        row = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, global_step=int(step))
+        return scalars
+
+    def flush(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Reads a ``metrics.jsonl`` file back into a list of rows."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class ProgressBar:
+    """A progress bar with the latest metrics, shown on process 0 only.
+
+    Use as a context manager: ``with ProgressBar(total, "train") as bar: bar.update(step, metrics)``.
+    """
+
+    def __init__(self, total: int, description: str = "", *, keys: tuple[str, ...] = (), start: int = 0):
+        self.keys = keys
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
+            disable=jax.process_index() != 0,
+        )
+        self._task = self._progress.add_task(description, total=total, completed=start, metrics="")
+
+    def update(self, completed: int, metrics: Mapping[str, float] | None = None) -> None:
+        shown = ""
+        if metrics:
+            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in (self.keys or tuple(metrics)) if k in metrics)
+        self._progress.update(self._task, completed=completed, metrics=shown)
+
+    def __enter__(self) -> "ProgressBar":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()

@@ -1,0 +1,36 @@
+"""Typed dataclass configs from the command line (tyro), in two spellings.
+
+``--actor.clip_ratio_high 0.2`` (tyro's own form) and RAGEN/Hydra's
+``actor.clip_ratio_high=0.2`` both work; ``key=[a,b]`` gives a sequence. Unknown
+keys and values of the wrong type exit with a message that names the field,
+before anything compiles.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, TypeVar
+
+import tyro
+
+C = TypeVar("C")
+
+
+def hydra_to_flags(argv: Sequence[str]) -> list[str]:
+    """Rewrites ``key=value`` tokens into tyro's ``--key value`` form; other tokens pass through."""
+    flags: list[str] = []
+    for token in argv:
+        if token.startswith("-") or "=" not in token:
+            flags.append(token)
+            continue
+        key, value = token.split("=", 1)
+        flags.append("--" + key)
+        if value.startswith("[") and value.endswith("]"):
+            flags.extend(item.strip() for item in value[1:-1].split(",") if item.strip())
+        else:
+            flags.append(value)
+    return flags
+
+
+def parse_config(config_type: type[C], default: C, argv: Sequence[str], *, description: str | None = None) -> C:
+    """Parses overrides of ``default`` (an instance of ``config_type``) from ``argv``."""
+    return tyro.cli(config_type, default=default, args=hydra_to_flags(argv), description=description)

@@ -1,0 +1,42 @@
+"""Command-line overrides of typed configs in tyro's and RAGEN's (Hydra's) spelling."""
+
+import dataclasses
+
+import pytest
+
+from runtime.config import hydra_to_flags, parse_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Actor:
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    actor: Actor = Actor()
+    seed: int = 0
+    tags: tuple[str, ...] = ("Bandit",)
+
+
+def test_hydra_tokens_become_flags():
+    assert hydra_to_flags(["a.b=1", "--c", "2", "tags=[X, Y]"]) == ["--a.b", "1", "--c", "2", "--tags", "X", "Y"]
+
+
+def test_both_spellings_override_nested_fields():
+    default = Config(seed=5)
+    got = parse_config(Config, default, ["actor.clip_ratio_high=0.2", "--seed", "3", "tags=[SimpleSokoban,Bandit]"])
+    assert got == Config(Actor(0.2, 3.0), 3, ("SimpleSokoban", "Bandit"))
+    assert parse_config(Config, default, ["actor.clip_ratio_c=None"]).actor.clip_ratio_c is None
+    assert parse_config(Config, default, []) == default
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["actor.clip_ratio_hi=0.2"], "actor.clip_ratio_hi"),
+    (["seed=x"], "--seed"),
+])
+def test_bad_overrides_name_the_field(argv, field, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(Config, Config(), argv)
+    assert field in capsys.readouterr().err

@@ -11,6 +11,7 @@ from runtime.config import hydra_to_flags, parse_config
 class Actor:
     clip_ratio_high: float = 0.28
     clip_ratio_c: float | None = 3.0
+    use_kl_loss: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,13 +23,17 @@ class Config:
 
 def test_hydra_tokens_become_flags():
     assert hydra_to_flags(["a.b=1", "--c", "2", "tags=[X, Y]"]) == ["--a.b", "1", "--c", "2", "--tags", "X", "Y"]
+    assert hydra_to_flags(["a=null", "b=true", "c=false", "d=[true,x]"]) == \
+        ["--a", "None", "--b", "True", "--c", "False", "--d", "True", "x"]
 
 
 def test_both_spellings_override_nested_fields():
     default = Config(seed=5)
     got = parse_config(Config, default, ["actor.clip_ratio_high=0.2", "--seed", "3", "tags=[SimpleSokoban,Bandit]"])
     assert got == Config(Actor(0.2, 3.0), 3, ("SimpleSokoban", "Bandit"))
-    assert parse_config(Config, default, ["actor.clip_ratio_c=None"]).actor.clip_ratio_c is None
+    assert parse_config(Config, default, ["actor.clip_ratio_c=null"]).actor.clip_ratio_c is None
+    assert parse_config(Config, default, ["actor.use_kl_loss=true"]).actor.use_kl_loss is True
+    assert parse_config(Config, default, ["--actor.use_kl_loss", "False"]).actor.use_kl_loss is False
     assert parse_config(Config, default, []) == default
 
 

@@ -1,0 +1,1 @@
+"""StarPO / StarPO-S multi-turn agent RL in JAX (RAGEN reimplementation)."""

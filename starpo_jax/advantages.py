@@ -1,0 +1,177 @@
+"""Advantage estimators of StarPO (spec §8): token-level GAE, GRPO broadcast, bi-level GAE, KL-in-reward.
+
+Every function takes token-aligned ``(batch, length)`` arrays in the reference
+layout of §7 (position ``j`` scores token ``j + 1``) and returns
+``(advantages, returns)`` or rewards; all are jittable with static shapes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from starpo_jax.losses import kl_penalty
+from starpo_jax.masked import masked_mean, masked_whiten
+
+
+class AdvantageReturn(NamedTuple):
+    """Per-token advantages (whitened where the estimator says so) and value targets."""
+
+    advantages: jax.Array
+    returns: jax.Array
+
+
+class KLRewardOutput(NamedTuple):
+    """Rewards after the KL penalty and the metrics verl logs for it."""
+
+    token_level_rewards: jax.Array
+    metrics: dict[str, jax.Array]
+
+
+def _reverse_scan_over_time(step, carry, *sequences):
+    """Runs ``step`` from the last position to the first over ``(batch, length)`` inputs."""
+    time_major = tuple(jnp.swapaxes(x, 0, 1) for x in sequences)
+    _, outputs = jax.lax.scan(step, carry, time_major, reverse=True)
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outputs)
+
+
+def compute_gae_advantage_return(token_level_rewards: jax.Array, values: jax.Array, loss_mask: jax.Array,
+                                 gamma: float, lam: float) -> AdvantageReturn:
+    """Token-level GAE with global masked whitening (verl ``compute_gae_advantage_return``, §8.1).
+
+    ``δ_t = r_t + γ·V_{t+1} − V_t`` (``V_T = 0``), ``A_t = δ_t + γλ·A_{t+1}``, run over every
+    position, masked ones included; ``returns = A + V``; then ``A`` is whitened over
+    ``loss_mask`` with the unbiased masked variance. Values are multiplied by the loss mask
+    first, as verl's ``compute_values`` does with RAGEN's ``response_mask := loss_mask``.
+
+    Args:
+      token_level_rewards: ``(B, T)`` rewards (normalised scores, minus any KL penalty).
+      values: ``(B, T)`` critic values; position ``t`` is the value of position ``t``.
+      loss_mask: ``(B, T)`` 1 on trained positions.
+      gamma: discount γ (RAGEN default 1.0).
+      lam: GAE λ (RAGEN default 1.0).
+    """
+    rewards = jnp.asarray(token_level_rewards, jnp.float32)
+    values = jnp.asarray(values, jnp.float32) * loss_mask
+    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    deltas = rewards + gamma * next_values - values
+
+    def step(last_advantage, delta_t):
+        advantage = delta_t[0] + gamma * lam * last_advantage
+        return advantage, advantage
+
+    advantages = _reverse_scan_over_time(step, jnp.zeros(rewards.shape[:1], jnp.float32), deltas)
+    returns = advantages + values
+    return AdvantageReturn(masked_whiten(advantages, loss_mask), returns)
+
+
+def compute_grpo_outcome_advantage(token_level_rewards: jax.Array, loss_mask: jax.Array) -> AdvantageReturn:
+    """GRPO advantages as RAGEN runs them (§8.2): the normalised score broadcast over the loss mask.
+
+    Scores are already group-normalised by ``starpo_jax.scores.normalize_scores``; verl's
+    GRPO then sees groups of size 1 (mean 0, std 1), so ``A_{i,t} = Σ_t r_{i,t} · mask_{i,t}``.
+    ``returns`` equal the advantages, as in verl.
+    """
+    scores = jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1, keepdims=True)
+    advantages = scores * loss_mask
+    return AdvantageReturn(advantages, advantages)
+
+
+def weight_advantages_by_length(advantages: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """RAGEN ``grpo_advantage_length_weight``: divide ``A_i`` by ``(len_i + 1e-6) / mean_j len_j``."""
+    lengths = jnp.sum(jnp.asarray(loss_mask, jnp.float32), axis=-1)
+    relative_lengths = (lengths + 1e-6) / jnp.mean(lengths)
+    return advantages / relative_lengths[:, None]
+
+
+def compute_bi_level_gae_advantage_return(token_level_rewards: jax.Array, values: jax.Array,
+                                          loss_mask: jax.Array, gamma: float, lam: float,
+                                          high_level_gamma: float) -> AdvantageReturn:
+    """Turn-level then token-level GAE (RAGEN HEAD ``compute_bi_level_gae_advantage_return``, §8.3).
+
+    Turn ends ``e_i`` are the positions with a non-zero reward. High level, backwards over turn
+    ends: ``δ_i = r_{e_i} + γ_H·V[e_{i+1}] − V[e_i]``, ``A_{e_i} = δ_i + γ_H·λ·A_{e_{i+1}}`` and the
+    reward at ``e_i`` becomes ``A_{e_i} + V[e_i]``. Low level, backwards over loss-mask positions:
+    ``δ_t = r'_t + γ·V[next masked t] − V[t]``, ``A_t = δ_t + γλ·A_{t+1}``, with the next value and
+    the running advantage reset to 0 at every turn end. Decision 21: the last loss-mask position
+    also ends a segment, so a trajectory without any non-zero reward is one segment (the
+    reference raises an index error there). Finally ``A`` is whitened over ``loss_mask``.
+    """
+    rewards = jnp.asarray(token_level_rewards, jnp.float32)
+    mask = jnp.asarray(loss_mask, jnp.float32)
+    values = jnp.asarray(values, jnp.float32) * mask
+    is_turn_end = rewards != 0
+    batch = rewards.shape[0]
+
+    def high_step(carry, inputs):
+        last_advantage, next_value = carry
+        reward_t, value_t, end_t = inputs
+        advantage = reward_t + high_level_gamma * next_value - value_t + high_level_gamma * lam * last_advantage
+        carry = (jnp.where(end_t, advantage, last_advantage), jnp.where(end_t, value_t, next_value))
+        return carry, jnp.where(end_t, advantage, 0.0)
+
+    zeros = jnp.zeros((batch,), jnp.float32)
+    high_advantages = _reverse_scan_over_time(high_step, (zeros, zeros), rewards, values, is_turn_end)
+    turn_rewards = jnp.where(is_turn_end, high_advantages + values, rewards)
+
+    def low_step(carry, inputs):
+        last_advantage, next_value, seen_masked = carry
+        reward_t, value_t, end_t, mask_t, high_t = inputs
+        segment_end = end_t | ~seen_masked
+        next_value = jnp.where(segment_end, 0.0, next_value)
+        last_advantage = jnp.where(segment_end, 0.0, last_advantage)
+        advantage = reward_t + gamma * next_value - value_t + gamma * lam * last_advantage
+        in_mask = mask_t > 0
+        carry = (jnp.where(in_mask, advantage, carry[0]), jnp.where(in_mask, value_t, carry[1]),
+                 seen_masked | in_mask)
+        return carry, jnp.where(in_mask, advantage, high_t)
+
+    false = jnp.zeros((batch,), bool)
+    advantages = _reverse_scan_over_time(low_step, (zeros, zeros, false), turn_rewards, values, is_turn_end,
+                                         mask, high_advantages)
+    on_turn_end_or_mask = is_turn_end | (mask > 0)
+    returns = jnp.where(on_turn_end_or_mask, advantages + values, 0.0)
+    return AdvantageReturn(masked_whiten(advantages, mask), returns)
+
+
+def apply_kl_penalty(token_level_scores: jax.Array, old_log_probs: jax.Array, ref_log_probs: jax.Array,
+                     loss_mask: jax.Array, kl_coef: float, kl_penalty_type: str = "kl") -> KLRewardOutput:
+    """KL-in-reward with a fixed controller (verl ``apply_kl_penalty``, §10 KL placement).
+
+    ``rewards = scores − β·KL(old, ref)·mask``; the logged KL is the batch mean of each
+    sequence's masked mean KL, as ``actor/reward_kl_penalty`` with ``β`` as ``..._coeff``.
+    """
+    kld = kl_penalty(old_log_probs, ref_log_probs, kl_penalty_type) * loss_mask
+    rewards = jnp.asarray(token_level_scores, jnp.float32) - kl_coef * kld
+    current_kl = jnp.mean(masked_mean(kld, loss_mask, axis=-1))
+    metrics = {"actor/reward_kl_penalty": current_kl,
+               "actor/reward_kl_penalty_coeff": jnp.asarray(kl_coef, jnp.float32)}
+    return KLRewardOutput(rewards, metrics)
+
+
+ADVANTAGE_ESTIMATORS = ("gae", "grpo")
+
+
+def compute_advantage(adv_estimator: str, token_level_rewards: jax.Array, values: jax.Array | None,
+                      loss_mask: jax.Array, *, gamma: float = 1.0, lam: float = 1.0, bi_level_gae: bool = False,
+                      high_level_gamma: float = 0.95, grpo_length_weight: bool = False) -> AdvantageReturn:
+    """Advantages as RAGEN's ``compute_advantage`` picks them from ``algorithm.*`` (§8, §9 step 9).
+
+    ``gae`` runs token-level GAE, or bi-level GAE with ``bi_level_gae``; ``grpo`` broadcasts the
+    normalised score, divided by the relative length with ``grpo_length_weight``.
+    """
+    if adv_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {adv_estimator!r}")
+    if adv_estimator == "grpo":
+        out = compute_grpo_outcome_advantage(token_level_rewards, loss_mask)
+        if grpo_length_weight:
+            out = out._replace(advantages=weight_advantages_by_length(out.advantages, loss_mask))
+        return out
+    if values is None:
+        raise ValueError("values (critic) are required for algorithm.adv_estimator=gae")
+    if bi_level_gae:
+        return compute_bi_level_gae_advantage_return(token_level_rewards, values, loss_mask, gamma, lam,
+                                                     high_level_gamma)
+    return compute_gae_advantage_return(token_level_rewards, values, loss_mask, gamma, lam)

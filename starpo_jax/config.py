@@ -1,0 +1,373 @@
+"""Typed StarPO configuration with RAGEN's key names and defaults (spec §16, §20, §22).
+
+The tree mirrors RAGEN's Hydra config (``base.yaml`` + verl's ``ppo_trainer.yaml``), so a
+RAGEN override such as ``actor_rollout_ref.actor.clip_ratio_high=0.2`` means the same thing
+here. Defaults are StarPO-S (PPO with critic, top 25% of groups by reward std, clip
+0.2 / 0.28, no KL) with the decisions of §22. Every config is a frozen dataclass; ``validate``
+checks types and cross-field rules, naming the field, before anything compiles.
+``starpo_jax.presets`` composes the named algorithms from RAGEN-style ``key=value`` overrides
+(parsed by ``runtime.config``; booleans take explicit values, ``use_kl_loss=True``, as in Hydra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
+from starpo_jax.losses import KL_ESTIMATORS, LOSS_AGG_MODES
+from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
+
+
+@dataclass(frozen=True)
+class SeedConfig:
+    """HEAD seeding (decision 16): train seeds start at 10000 and advance by ``env_groups``."""
+
+    train: int = 10000
+    val: int = 123
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters; rank 0 is full fine-tuning (decision 29)."""
+
+    rank: int = 0
+    alpha: int = 64
+    target_modules: str = "all-linear"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with a constant learning rate and no warmup (§10)."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    lr_warmup_steps_ratio: float = 0.0
+    warmup_style: Literal["constant"] = "constant"
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """``actor_rollout_ref.actor``; ``None`` batch sizes follow the top-level keys."""
+
+    ppo_mini_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int | None = None
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    use_ref: bool = True
+    entropy_coeff: float = 0.001
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: Literal[KL_ESTIMATORS] = "kl"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = 3.0
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "seq-mean-token-mean"
+    grad_clip: float = 1.0
+    optim: OptimConfig = OptimConfig(lr=1e-6)
+
+
+@dataclass(frozen=True)
+class ValKwargs:
+    """Validation sampling: sampled at temperature 0.5 (§15)."""
+
+    do_sample: bool = True
+    temperature: float = 0.5
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """``actor_rollout_ref.rollout``: sampling, length limits and the StarPO-S filter."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    response_length: int = 400
+    max_model_len: int = 3600
+    rollout_filter_ratio: float = 0.25
+    rollout_filter_type: Literal[FILTER_TYPES] = "std"
+    rollout_filter_drop_zero_std: bool = False
+    val_kwargs: ValKwargs = ValKwargs()
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """``actor_rollout_ref.ref``; the reference pass is skipped when no KL term is active (decision 9)."""
+
+    force_ref_log_prob: bool = False
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    actor: ActorConfig = ActorConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    ref: RefConfig = RefConfig()
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """verl critic: value clipping 0.5, grad clip 1.0, lr 1e-5."""
+
+    ppo_mini_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int | None = None
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    grad_clip: float = 1.0
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+
+
+@dataclass(frozen=True)
+class KlCtrlConfig:
+    type: Literal["fixed"] = "fixed"
+    kl_coef: float = 0.0
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantage estimator and KL-in-reward (explicit HEAD flag, decision 8)."""
+
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: Literal["gae", "grpo"] = "gae"
+    high_level_gamma: float = 0.95
+    bi_level_gae: bool = False
+    kl_penalty: Literal[KL_ESTIMATORS] = "kl"
+    kl_ctrl: KlCtrlConfig = KlCtrlConfig()
+    use_kl_in_reward: bool = False
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    project_name: str = "ragen_latest"
+    experiment_name: str = "test"
+    total_training_steps: int = 200
+    test_freq: int = 10
+    save_freq: int = -1
+    val_before_train: bool = True
+    validation_steps: int = 1
+    n_gpus_per_node: int = 1
+    balance_batch: bool = True
+    critic_warmup: int = 0
+
+
+@dataclass(frozen=True)
+class RewardNormalizationConfig:
+    grouping: Literal[GROUPINGS] = "state"
+    method: Literal[NORMALIZATION_METHODS] = "identity"
+
+
+@dataclass(frozen=True)
+class AgentProxyConfig:
+    max_context_window: int = -1
+    max_turn: int = 5
+    action_sep: str = "||"
+    max_actions_per_turn: int = 5
+    use_turn_scores: bool = False
+    enable_think: bool = True
+    reward_normalization: RewardNormalizationConfig = RewardNormalizationConfig()
+
+
+@dataclass(frozen=True)
+class EnvConfigs:
+    tags: tuple[str, ...] = ("SimpleSokoban",)
+    n_groups: tuple[int, ...] = (8,)
+
+
+@dataclass(frozen=True)
+class EnvGroupsConfig:
+    """``env_groups`` initial states × ``group_size`` rollouts each, split over env tags."""
+
+    env_groups: int = 8
+    group_size: int = 16
+    env_configs: EnvConfigs = EnvConfigs()
+
+
+@dataclass(frozen=True)
+class EsManagerConfig:
+    format_penalty: float = -0.1
+    train: EnvGroupsConfig = EnvGroupsConfig()
+    val: EnvGroupsConfig = EnvGroupsConfig(256, 1, EnvConfigs(("SimpleSokoban",), (256,)))
+
+
+@dataclass(frozen=True)
+class StarPOConfig:
+    """Top level of RAGEN's ``base.yaml`` plus the switches of decisions 3 and 10."""
+
+    model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    micro_batch_size_per_gpu: int = 4
+    ppo_mini_batch_size: int = 32
+    enable_response_mask: bool = True
+    mask_alignment: Literal["reference", "standard"] = "reference"
+    train_on_sampled_ids: bool = False
+    grpo_advantage_length_weight: bool = False
+    seed: SeedConfig = SeedConfig()
+    lora: LoraConfig = LoraConfig()
+    actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()
+    critic: CriticConfig = CriticConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    agent_proxy: AgentProxyConfig = AgentProxyConfig()
+    es_manager: EsManagerConfig = EsManagerConfig()
+
+    @property
+    def use_critic(self) -> bool:
+        """A critic is trained only for GAE, as in the reference."""
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def needs_ref_log_prob(self) -> bool:
+        """Whether any KL term (or the parity flag) needs the reference model's log-probs."""
+        actor, algorithm = self.actor_rollout_ref.actor, self.algorithm
+        kl_loss = actor.use_kl_loss and actor.kl_loss_coef > 0
+        kl_reward = algorithm.use_kl_in_reward and algorithm.kl_ctrl.kl_coef > 0
+        return actor.use_ref and (kl_loss or kl_reward or self.actor_rollout_ref.ref.force_ref_log_prob)
+
+
+def _field_types(cls) -> dict[str, Any]:
+    """Resolved annotations of a config dataclass, by field name."""
+    return typing.get_type_hints(cls)
+
+
+def _is_optional(annotation) -> bool:
+    """Whether ``annotation`` is ``X | None``."""
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return is_union and type(None) in typing.get_args(annotation)
+
+
+def _check_value(value: Any, annotation, path: str) -> None:
+    """Raises naming ``path`` unless ``value`` fits ``annotation`` (an int is accepted for a float)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if _is_optional(annotation):
+        if value is not None:
+            _check_value(value, next(a for a in args if a is not type(None)), path)
+    elif origin is Literal:
+        if value not in args:
+            raise ValueError(f"{path} must be one of {args}, got {value!r}")
+    elif origin is tuple:
+        if not isinstance(value, tuple):
+            raise TypeError(f"{path} must be a tuple, got {value!r}")
+        item_types = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
+        if len(item_types) != len(value):
+            raise ValueError(f"{path} must have {len(item_types)} entries, got {value!r}")
+        for i, (item, item_type) in enumerate(zip(value, item_types)):
+            _check_value(item, item_type, f"{path}[{i}]")
+    elif not (type(value) is annotation or (annotation is float and type(value) is int)):
+        raise TypeError(f"{path} must be {getattr(annotation, '__name__', annotation)}, got {value!r}")
+
+
+def _check_types(config, prefix: str = "") -> None:
+    for name, annotation in _field_types(type(config)).items():
+        value, path = getattr(config, name), prefix + name
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, annotation):
+                raise TypeError(f"{path} must be a {annotation.__name__} section, got {value!r}")
+            _check_types(value, path + ".")
+        else:
+            _check_value(value, annotation, path)
+
+
+def resolve(config: StarPOConfig) -> StarPOConfig:
+    """Fills the actor and critic batch sizes that follow the top-level keys (RAGEN's interpolations)."""
+    def follow(section):
+        mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
+        return dataclasses.replace(
+            section, ppo_mini_batch_size=config.ppo_mini_batch_size if mini is None else mini,
+            ppo_micro_batch_size_per_gpu=config.micro_batch_size_per_gpu if micro is None else micro)
+
+    actor_rollout_ref = dataclasses.replace(config.actor_rollout_ref, actor=follow(config.actor_rollout_ref.actor))
+    return dataclasses.replace(config, actor_rollout_ref=actor_rollout_ref, critic=follow(config.critic))
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _validate_env_groups(groups: EnvGroupsConfig, path: str) -> None:
+    _require(groups.env_groups >= 1, f"{path}.env_groups must be >= 1, got {groups.env_groups}")
+    _require(groups.group_size >= 1, f"{path}.group_size must be >= 1, got {groups.group_size}")
+    tags, n_groups = groups.env_configs.tags, groups.env_configs.n_groups
+    _require(len(tags) >= 1 and len(tags) == len(n_groups),
+             f"{path}.env_configs.tags and n_groups must be non-empty and of equal length, got {tags} and {n_groups}")
+    _require(sum(n_groups) == groups.env_groups,
+             f"{path}.env_configs.n_groups must sum to {path}.env_groups={groups.env_groups}, got {n_groups}")
+
+
+def _validate_batches(config: StarPOConfig) -> None:
+    train = config.es_manager.train
+    rollout = config.actor_rollout_ref.rollout
+    ratio = rollout.rollout_filter_ratio
+    _require(0.0 < ratio <= 1.0, f"actor_rollout_ref.rollout.rollout_filter_ratio must be in (0, 1], got {ratio}")
+    _require(ratio == 1.0 or train.group_size >= 2,
+             f"es_manager.train.group_size must be >= 2 to filter groups by reward std, got {train.group_size}")
+    kept_samples = num_kept_groups(train.env_groups, ratio) * train.group_size
+    for path, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
+        mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
+        _require(mini is not None and mini >= 1, f"{path}.ppo_mini_batch_size must be >= 1, got {mini}")
+        _require(micro is not None and micro >= 1 and mini % micro == 0,
+                 f"{path}.ppo_micro_batch_size_per_gpu={micro} must divide {path}.ppo_mini_batch_size={mini}")
+        _require(train.env_groups * train.group_size * ratio >= mini,
+                 f"es_manager.train.env_groups·group_size·actor_rollout_ref.rollout.rollout_filter_ratio = "
+                 f"{train.env_groups}·{train.group_size}·{ratio} leaves less than one "
+                 f"{path}.ppo_mini_batch_size={mini}")
+        _require(kept_samples % mini == 0,
+                 f"the filtered batch of {kept_samples} trajectories (es_manager.train.env_groups·group_size·"
+                 f"rollout_filter_ratio) is not divisible by {path}.ppo_mini_batch_size={mini}")
+        _require(section.ppo_epochs >= 1, f"{path}.ppo_epochs must be >= 1, got {section.ppo_epochs}")
+        _require(section.grad_clip > 0, f"{path}.grad_clip must be > 0, got {section.grad_clip}")
+        _require(section.optim.lr > 0, f"{path}.optim.lr must be > 0, got {section.optim.lr}")
+        _require(section.optim.weight_decay >= 0, f"{path}.optim.weight_decay must be >= 0")
+
+
+def _validate_algorithm(config: StarPOConfig) -> None:
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    _require(0.0 <= actor.clip_ratio_low < 1.0, f"actor_rollout_ref.actor.clip_ratio_low must be in [0, 1), "
+                                                f"got {actor.clip_ratio_low}")
+    _require(actor.clip_ratio_high >= 0.0, f"actor_rollout_ref.actor.clip_ratio_high must be >= 0, "
+                                           f"got {actor.clip_ratio_high}")
+    _require(actor.clip_ratio_c is None or actor.clip_ratio_c > 1.0,
+             f"actor_rollout_ref.actor.clip_ratio_c must be > 1.0 or null, got {actor.clip_ratio_c}")
+    for path, value in (("algorithm.gamma", algorithm.gamma), ("algorithm.lam", algorithm.lam),
+                        ("algorithm.high_level_gamma", algorithm.high_level_gamma)):
+        _require(0.0 <= value <= 1.0, f"{path} must be in [0, 1], got {value}")
+    _require(actor.kl_loss_coef >= 0 and algorithm.kl_ctrl.kl_coef >= 0,
+             "actor_rollout_ref.actor.kl_loss_coef and algorithm.kl_ctrl.kl_coef must be >= 0")
+    _require(not (actor.use_kl_loss or algorithm.use_kl_in_reward) or actor.use_ref,
+             "actor_rollout_ref.actor.use_ref must be True when a KL term (use_kl_loss / use_kl_in_reward) is on")
+    bi_level_ok = algorithm.adv_estimator == "gae" and not config.agent_proxy.use_turn_scores
+    _require(not algorithm.bi_level_gae or bi_level_ok,
+             "algorithm.bi_level_gae requires algorithm.adv_estimator=gae and agent_proxy.use_turn_scores=False")
+    _require(not config.grpo_advantage_length_weight or algorithm.adv_estimator == "grpo",
+             "grpo_advantage_length_weight requires algorithm.adv_estimator=grpo")
+
+
+def _validate_rollout(config: StarPOConfig) -> None:
+    rollout, proxy = config.actor_rollout_ref.rollout, config.agent_proxy
+    _require(rollout.temperature > 0, f"actor_rollout_ref.rollout.temperature must be > 0, got {rollout.temperature}")
+    _require(rollout.val_kwargs.temperature > 0, "actor_rollout_ref.rollout.val_kwargs.temperature must be > 0")
+    _require(0.0 < rollout.top_p <= 1.0, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    _require(rollout.response_length >= 1, "actor_rollout_ref.rollout.response_length must be >= 1")
+    _require(rollout.max_model_len > rollout.response_length,
+             f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} must exceed "
+             f"actor_rollout_ref.rollout.response_length={rollout.response_length}")
+    _require(proxy.max_turn >= 1, f"agent_proxy.max_turn must be >= 1, got {proxy.max_turn}")
+    _require(proxy.max_actions_per_turn >= 1, "agent_proxy.max_actions_per_turn must be >= 1")
+    _require(proxy.max_context_window == -1 or proxy.max_context_window >= 1,
+             f"agent_proxy.max_context_window must be -1 or >= 1, got {proxy.max_context_window}")
+
+
+def validate(config: StarPOConfig) -> StarPOConfig:
+    """Checks every field's type and the cross-field rules of RAGEN's ``train.py``; returns ``config``."""
+    _check_types(config)
+    _validate_env_groups(config.es_manager.train, "es_manager.train")
+    _validate_env_groups(config.es_manager.val, "es_manager.val")
+    _validate_batches(config)
+    _validate_algorithm(config)
+    _validate_rollout(config)
+    return config

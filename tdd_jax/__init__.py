@@ -1,0 +1,1 @@
+"""Target-Driven Distillation (TDD) of latent diffusion models in JAX/Flax NNX."""

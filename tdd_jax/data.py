@@ -1,0 +1,241 @@
+"""Training data for TDD: image–caption pairs → resized crops → cached VAE latents and text embeddings.
+
+Sources are a folder of ``name.{jpg,jpeg,png,webp}`` files with ``name.txt`` captions, or webdataset
+``.tar`` shards (members ``key.<image ext>`` and ``key.txt``/``key.json``). Preprocessing follows
+the reference's ``dataset.py`` (spec §4 step 1): bilinear resize of the shorter side to the
+resolution, optional horizontal flip, random crop, scaling to [−1, 1]; ``orig_size`` is the size
+after resizing, and with ``use_fix_crop_and_size`` the reported crop is (0, 0) though the crop
+itself stays random. Undecodable captions become "".
+
+``build_cache`` runs the encoders once over the data (with a progress bar) and writes ``.npz``
+shards; ``load_cache`` and ``cache_batches`` feed ``tdd_jax.distill.DistillBatch``es from them.
+``latents_to_png`` goes the other way, from sampled latents through a decoder to a PNG grid.
+The encoders are plain callables, so any VAE / text encoder (or the demo's label encoder) plugs in.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from PIL import Image
+from rich.progress import track
+
+from tdd_jax.distill import DistillBatch
+from tdd_jax.sampler import Conditioning
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+EMPTY_PROMPT_FILE = "empty_prompt.npz"
+
+
+class ImageCaption(NamedTuple):
+    """One raw training example."""
+
+    key: str
+    image: Image.Image
+    caption: str
+
+
+class Preprocessed(NamedTuple):
+    """A crop in [−1, 1] (H, W, 3) float32 and SDXL's ``time_ids`` (orig_h, orig_w, top, left, h, w)."""
+
+    pixels: np.ndarray
+    time_ids: np.ndarray
+
+
+def decode_caption(raw: bytes) -> str:
+    """UTF-8 caption text, stripped; "" when it does not decode (as the reference's fallback)."""
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return ""
+
+
+def iter_folder(folder: str | os.PathLike) -> Iterator[ImageCaption]:
+    """Image files of ``folder`` in name order, each with the caption of its ``.txt`` sibling (or "")."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"data folder {folder!r} does not exist")
+    for name in sorted(os.listdir(folder)):
+        stem, ext = os.path.splitext(name)
+        if ext.lower() not in IMAGE_EXTENSIONS:
+            continue
+        caption_path = os.path.join(folder, stem + ".txt")
+        caption = ""
+        if os.path.isfile(caption_path):
+            with open(caption_path, "rb") as f:
+                caption = decode_caption(f.read())
+        yield ImageCaption(stem, Image.open(os.path.join(folder, name)).convert("RGB"), caption)
+
+
+def _caption_from_member(ext: str, raw: bytes) -> str:
+    if ext == ".json":
+        try:
+            return str(json.loads(raw).get("caption", ""))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return ""
+    return decode_caption(raw)
+
+
+def iter_webdataset(shards: Sequence[str | os.PathLike]) -> Iterator[ImageCaption]:
+    """Examples of webdataset tar shards: members sharing a key form one example; keys without an image are skipped."""
+    for shard in shards:
+        groups: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    key, ext = os.path.splitext(member.name)
+                    groups.setdefault(key, {})[ext.lower()] = tar.extractfile(member).read()
+        for key, files in groups.items():
+            image_ext = next((e for e in IMAGE_EXTENSIONS if e in files), None)
+            if image_ext is None:
+                continue
+            caption_ext = ".txt" if ".txt" in files else ".json" if ".json" in files else None
+            caption = _caption_from_member(caption_ext, files[caption_ext]) if caption_ext else ""
+            yield ImageCaption(key, Image.open(io.BytesIO(files[image_ext])).convert("RGB"), caption)
+
+
+def iter_source(path: str | os.PathLike) -> Iterator[ImageCaption]:
+    """A folder of image–caption pairs, a folder of ``.tar`` shards, or a single ``.tar`` shard."""
+    path = os.fspath(path)
+    if path.endswith(".tar"):
+        return iter_webdataset([path])
+    if os.path.isdir(path):
+        shards = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".tar"))
+        return iter_webdataset(shards) if shards else iter_folder(path)
+    raise FileNotFoundError(f"data source {path!r} is neither a folder nor a .tar shard")
+
+
+def preprocess(image: Image.Image, resolution: int, rng: np.random.Generator, random_flip: bool = False,
+               use_fix_crop_and_size: bool = False) -> Preprocessed:
+    """Shorter side → ``resolution`` (bilinear), optional flip, random ``resolution²`` crop, scale to [−1, 1]."""
+    if resolution < 1:
+        raise ValueError(f"resolution must be positive, got {resolution}")
+    w, h = image.size
+    scale = resolution / min(w, h)
+    new_w, new_h = (resolution, int(h * scale)) if w <= h else (int(w * scale), resolution)
+    image = image.resize((new_w, new_h), Image.BILINEAR)
+    if random_flip and rng.random() < 0.5:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+    top, left = int(rng.integers(0, new_h - resolution + 1)), int(rng.integers(0, new_w - resolution + 1))
+    crop = np.asarray(image.crop((left, top, left + resolution, top + resolution)), np.float32)
+    reported = (0, 0) if use_fix_crop_and_size else (top, left)
+    time_ids = np.array([new_h, new_w, *reported, resolution, resolution], np.float32)
+    return Preprocessed(crop / 127.5 - 1.0, time_ids)
+
+
+def to_uint8(pixels: np.ndarray) -> np.ndarray:
+    """Inverse of the [−1, 1] scaling: ``round((x + 1)·127.5)`` clipped to 0..255."""
+    return np.clip(np.round((np.asarray(pixels, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+
+
+def save_image_grid(pixels: np.ndarray, path: str | os.PathLike, columns: int | None = None) -> None:
+    """Writes (N, H, W, C) images in [−1, 1] (C = 1 or 3) as one PNG grid, row-major, black padding."""
+    images = to_uint8(pixels)
+    n, h, w, c = images.shape
+    if c not in (1, 3):
+        raise ValueError(f"images must have 1 or 3 channels (NHWC), got shape {images.shape}")
+    columns = columns or int(np.ceil(np.sqrt(n)))
+    rows = -(-n // columns)
+    grid = np.zeros((rows * h, columns * w, c), np.uint8)
+    for i, image in enumerate(images):
+        r, col = divmod(i, columns)
+        grid[r * h:(r + 1) * h, col * w:(col + 1) * w] = image
+    Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
+
+
+def latents_to_png(decode: Callable[[np.ndarray], np.ndarray], latents: np.ndarray, path: str | os.PathLike,
+                   columns: int | None = None) -> None:
+    """Decodes sampled latents (e.g. ``lambda z: vae.decode(vae.unscale_latents(z))``) and saves the grid."""
+    save_image_grid(np.asarray(decode(latents)), path, columns)
+
+
+ImageEncoder = Callable[[np.ndarray], np.ndarray]
+TextEncoder = Callable[[list[str]], Conditioning]
+
+
+def _batched(items: Iterable, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def build_cache(examples: Iterable[ImageCaption], encode_images: ImageEncoder, encode_text: TextEncoder,
+                out_dir: str | os.PathLike, resolution: int, batch_size: int = 8, seed: int = 0,
+                random_flip: bool = False, use_fix_crop_and_size: bool = True, total: int | None = None) -> int:
+    """Encodes every example once and writes ``shard_#####.npz`` files plus the encoded empty prompt.
+
+    Args:
+      examples: e.g. ``iter_source(path)``.
+      encode_images: (B, H, W, 3) pixels in [−1, 1] → latents (B, h, w, c), already scaled by the VAE factor.
+      encode_text: captions → ``Conditioning`` of NumPy arrays; ``time_ids`` are added here.
+      out_dir: cache folder (created).
+      total: number of examples, for the progress bar only.
+
+    Returns:
+      The number of cached examples.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    count = 0
+    batches = _batched(examples, batch_size)
+    total_batches = None if total is None else -(-total // batch_size)
+    for index, batch in enumerate(track(batches, description="caching latents", total=total_batches)):
+        crops = [preprocess(ex.image, resolution, rng, random_flip, use_fix_crop_and_size) for ex in batch]
+        latents = np.asarray(encode_images(np.stack([c.pixels for c in crops])), np.float32)
+        cond = encode_text([ex.caption for ex in batch])
+        arrays = {"latents": latents, "context": np.asarray(cond.context),
+                  "time_ids": np.stack([c.time_ids for c in crops])}
+        arrays.update({f"added.{k}": np.asarray(v) for k, v in (cond.added or {}).items()})
+        np.savez(os.path.join(out_dir, f"shard_{index:05d}.npz"), **arrays)
+        count += len(batch)
+    empty = encode_text([""])
+    np.savez(os.path.join(out_dir, EMPTY_PROMPT_FILE), context=np.asarray(empty.context),
+             **{f"added.{k}": np.asarray(v) for k, v in (empty.added or {}).items()})
+    return count
+
+
+def _conditioning(arrays: dict[str, np.ndarray], time_ids: np.ndarray | None) -> Conditioning:
+    added = {k[len("added."):]: v for k, v in arrays.items() if k.startswith("added.")}
+    if time_ids is not None and added:
+        added["time_ids"] = time_ids
+    return Conditioning(arrays["context"], added or None)
+
+
+def load_cache(cache_dir: str | os.PathLike) -> tuple[DistillBatch, Conditioning]:
+    """All cached examples as one ``DistillBatch`` of NumPy arrays, and the encoded empty prompt (batch 1).
+
+    ``time_ids`` are part of the conditioning only when the text encoder produced added conditioning (SDXL).
+    """
+    cache_dir = os.fspath(cache_dir)
+    names = sorted(n for n in os.listdir(cache_dir) if n.startswith("shard_") and n.endswith(".npz"))
+    if not names:
+        raise FileNotFoundError(f"no shard_*.npz files in cache folder {cache_dir!r}")
+    shards = [dict(np.load(os.path.join(cache_dir, n))) for n in names]
+    arrays = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
+    empty = dict(np.load(os.path.join(cache_dir, EMPTY_PROMPT_FILE)))
+    return DistillBatch(arrays["latents"], _conditioning(arrays, arrays["time_ids"])), _conditioning(empty, None)
+
+
+def cache_batches(data: DistillBatch, batch_size: int, seed: int = 0) -> Iterator[DistillBatch]:
+    """Endless shuffled batches (a fresh permutation each epoch; the last partial batch is dropped)."""
+    n = data.latents.shape[0]
+    if not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size must be in [1, {n}] for a cache of {n} examples, got {batch_size}")
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(n)
+        for start in range(0, n - batch_size + 1, batch_size):
+            yield jax.tree.map(lambda x: x[order[start:start + batch_size]], data)

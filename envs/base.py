@@ -1,0 +1,71 @@
+"""What every text environment exposes besides the gymnax API: vocabulary, instruction and legend."""
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from gymnax.environments import environment, spaces
+
+
+def step_info(success: jax.Array, action_is_valid: jax.Array, action_is_effective: jax.Array) -> dict:
+    """The ``info`` RAGEN's environment state manager reads after every action."""
+    return {
+        "success": jnp.asarray(success, jnp.bool_),
+        "action_is_valid": jnp.asarray(action_is_valid, jnp.bool_),
+        "action_is_effective": jnp.asarray(action_is_effective, jnp.bool_),
+    }
+
+
+def check_positive_int(name: str, value) -> int:
+    """Returns ``value`` as an int, raising a ValueError naming the field if it is not positive."""
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class TextEnvironment(environment.Environment):
+    """A gymnax environment rendered as text for an LLM agent (RAGEN's ``BaseDiscreteActionEnv``).
+
+    Subclasses set:
+        tag: RAGEN's environment tag (``custom_envs`` key), e.g. ``"SimpleSokoban"``.
+        action_names: names the agent writes, indexed by action id (``action_lookup`` values).
+        env_instruction: the instruction that opens the first user message.
+        grid_vocab: the symbol legend listed in the prompt, or None.
+        max_actions_per_traj: the action budget of one trajectory.
+        max_tokens: the "Max response length" the prompt announces.
+        prompt_lists_actions: whether RAGEN's default config has an ``action_lookup``, which puts the
+            action list in the prompt (Sokoban, FrozenLake; not Bandit).
+    """
+
+    tag: str = ""
+    action_names: tuple[str, ...] = ()
+    env_instruction: str = ""
+    grid_vocab: Mapping[str, str] | None = None
+    max_actions_per_traj: int = 1
+    max_tokens: int = 100
+    prompt_lists_actions: bool = False
+    walled_grid: bool = False  # grid observations always have a wall border (Sokoban)
+
+    @property
+    def num_actions(self) -> int:
+        return len(self.action_names)
+
+    def action_space(self, params=None) -> spaces.Discrete:
+        return spaces.Discrete(self.num_actions)
+
+    def render_text(self, state) -> str:
+        """The observation text of one (unbatched) state, as RAGEN's ``render()`` returns it."""
+        raise NotImplementedError
+
+    def reward_value(self, reward: float, params=None):
+        """The Python number RAGEN's environment returns for this float32 step reward.
+
+        RAGEN prints ``str()`` of summed Python rewards, so the prompt text depends on their exact
+        type and double value (``0`` vs ``0.0``, ``-0.1 + 1``).
+        """
+        raise NotImplementedError
+
+
+def render_grid(codes, lookup: Mapping[int, str]) -> str:
+    """Joins the symbols of a grid of cell codes, one line per row, as RAGEN's ``render``."""
+    return "\n".join("".join(lookup[int(c)] for c in row) for row in jax.device_get(codes))

@@ -1,0 +1,205 @@
+"""Sokoban as a gymnax environment with gym-sokoban's push semantics and rewards (RAGEN's base env)."""
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from gymnax.environments import spaces
+
+from envs.base import TextEnvironment, check_positive_int, render_grid, step_info
+from envs.sokoban_generation import BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, TARGET, GeneratorConfig, generate_level
+
+PLAYER_ON_TARGET = 6  # render-only code
+
+SOKOBAN_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
+    "When you are right next to a box, you can push it by moving in the same direction. You cannot push a box "
+    "through a wall, and you cannot pull a box. The answer should be a sequence of actions, like "
+    "<answer>Right || Right || Up</answer>"
+)
+DEFAULT_GRID_LOOKUP = {0: "#", 1: "_", 2: "O", 3: "\u221a", 4: "X", 5: "P", 6: "S"}
+DIFFERENT_GRID_LOOKUP = {0: "W", 1: ".", 2: "G", 3: "C", 4: "B", 5: "A", 6: "@"}
+CELL_MEANINGS = ("wall", "empty", "target", "box on target", "box", "player", "player on target")
+
+
+def grid_vocab_of(grid_lookup: Mapping[int, str]) -> dict[str, str]:
+    """The ``{symbol: meaning}`` legend of a Sokoban symbol set."""
+    return {grid_lookup[code]: meaning for code, meaning in enumerate(CELL_MEANINGS)}
+
+
+@struct.dataclass
+class SokobanState:
+    """gym-sokoban's room arrays plus counters (``time`` is ``num_env_steps``)."""
+
+    room_fixed: jax.Array  # (H, W) int8: 0 wall, 1 floor, 2 target
+    room_state: jax.Array  # (H, W) int8: 0-5 as gym-sokoban
+    player: jax.Array  # (2,) int32 (row, col)
+    boxes_on_target: jax.Array
+    time: jax.Array
+
+
+@struct.dataclass
+class SokobanParams:
+    """Rewards and step limit (gym-sokoban defaults; RAGEN sets ``max_steps=100``)."""
+
+    max_steps_in_episode: int = 100
+    penalty_for_step: float = -0.1
+    penalty_box_off_target: float = -1.0
+    reward_box_on_target: float = 1.0
+    reward_finished: float = 10.0
+
+
+class Sokoban(TextEnvironment):
+    """Sokoban with on-device level generation.
+
+    Actions 0-3 are Up, Down, Left, Right (RAGEN ids 1-4, gym-sokoban's push actions 1-4): push a
+    box if one is adjacent and the cell behind it is free, otherwise move if the cell is free.
+
+    Args:
+        dim_room: grid (height, width), at least (5, 5).
+        num_boxes: boxes (and targets) per level.
+        search_depth: RAGEN's reverse-play depth; pull-walks are ``search_depth - 2`` moves long.
+        grid_lookup: symbol of each cell code 0-6 (RAGEN's ``grid_lookup``).
+        tag: RAGEN's environment tag.
+        walk_budget: pull-walk moves per generation try (split into walks of the length above).
+        tries: topologies drawn at most per level before the fixed fallback room.
+        legend_from_config: list ``grid_lookup``'s symbols in the prompt instead of the defaults.
+    """
+
+    action_names = ("Up", "Down", "Left", "Right")
+    env_instruction = SOKOBAN_INSTRUCTION
+    max_actions_per_traj = 10
+    prompt_lists_actions = True
+    walled_grid = True
+
+    def __init__(
+        self,
+        dim_room: tuple[int, int] = (6, 6),
+        num_boxes: int = 1,
+        search_depth: int = 300,
+        grid_lookup: Mapping[int, str] | None = None,
+        tag: str = "SimpleSokoban",
+        walk_budget: int = 2048,
+        tries: int = 16,
+        legend_from_config: bool = False,
+    ):
+        height, width = (check_positive_int("dim_room", d) for d in dim_room)
+        num_boxes = check_positive_int("num_boxes", num_boxes)
+        if height < 5 or width < 5:
+            raise ValueError(f"dim_room must be at least (5, 5), got {tuple(dim_room)!r}")
+        if num_boxes > width - 2:
+            raise ValueError(f"num_boxes={num_boxes} does not fit a room of width {width}")
+        if check_positive_int("search_depth", search_depth) < 3:
+            raise ValueError(f"search_depth must be at least 3, got {search_depth}")
+        self.grid_lookup = dict(grid_lookup or DEFAULT_GRID_LOOKUP)
+        if sorted(self.grid_lookup) != list(range(7)):
+            raise ValueError(f"grid_lookup must map the cell codes 0-6, got keys {sorted(self.grid_lookup)}")
+        self.tag = tag
+        self.generator = GeneratorConfig(
+            dim_room=(height, width),
+            num_boxes=num_boxes,
+            search_depth=search_depth,
+            walk_budget=check_positive_int("walk_budget", walk_budget),
+            tries=check_positive_int("tries", tries),
+        )
+        # RAGEN lists the default legend whatever ``grid_lookup`` is (spec section 4);
+        # ``legend_from_config=True`` lists this environment's own symbols instead.
+        self.grid_vocab = grid_vocab_of(self.grid_lookup if legend_from_config else DEFAULT_GRID_LOOKUP)
+
+    @property
+    def default_params(self) -> SokobanParams:
+        return SokobanParams()
+
+    @property
+    def dim_room(self) -> tuple[int, int]:
+        return self.generator.dim_room
+
+    @property
+    def num_boxes(self) -> int:
+        return self.generator.num_boxes
+
+    def reset_env(self, key: jax.Array, params: SokobanParams):
+        level = generate_level(key, self.generator)
+        state = SokobanState(level.room_fixed, level.room_state, level.player, jnp.int32(0), jnp.int32(0))
+        return self.get_obs(state), state
+
+    def step_env(self, key: jax.Array, state: SokobanState, action, params: SokobanParams):
+        fixed, room = state.room_fixed, state.room_state
+        height, width = self.dim_room
+        delta = MOVES[action]
+        here = state.player
+        ahead = jnp.clip(here + delta, 0, jnp.array([height - 1, width - 1]))
+        beyond = here + 2 * delta
+        beyond_inside = jnp.all((beyond >= 0) & (beyond < jnp.array([height, width])))
+        # Cells are addressed with masks rather than scatters: elementwise code vectorises well.
+        rows, cols = jnp.arange(height)[:, None], jnp.arange(width)[None, :]
+        at = lambda cell: (rows == cell[0]) & (cols == cell[1])
+        at_here, at_ahead, at_beyond = at(here), at(ahead), at(beyond) & beyond_inside
+        cell_of = lambda mask: jnp.max(jnp.where(mask, room, 0))
+        ahead_cell, beyond_cell = cell_of(at_ahead), cell_of(at_beyond)
+        is_free = lambda cell: (cell == FLOOR) | (cell == TARGET)
+        push = beyond_inside & ((ahead_cell == BOX) | (ahead_cell == BOX_ON_TARGET)) & is_free(beyond_cell)
+        moved = push | is_free(ahead_cell)
+
+        box_code = jnp.where(fixed == TARGET, BOX_ON_TARGET, BOX)
+        room = jnp.where(at_beyond & push, box_code, room)
+        room = jnp.where(at_here & moved, fixed, room)
+        room = jnp.where(at_ahead & moved, PLAYER, room).astype(state.room_state.dtype)
+        player = jnp.where(moved, ahead, here)
+
+        uncovered = (room == TARGET) | ((fixed == TARGET) & (room == PLAYER))
+        boxes_on_target = self.num_boxes - uncovered.sum(dtype=jnp.int32)
+        solved = boxes_on_target == self.num_boxes
+        reward = (
+            params.penalty_for_step
+            + jnp.where(boxes_on_target > state.boxes_on_target, params.reward_box_on_target, 0.0)
+            + jnp.where(boxes_on_target < state.boxes_on_target, params.penalty_box_off_target, 0.0)
+            + jnp.where(solved, params.reward_finished, 0.0)
+        ).astype(jnp.float32)
+        new_state = SokobanState(fixed, room, player, boxes_on_target, state.time + 1)
+        info = step_info(solved, True, moved)
+        return self.get_obs(new_state), new_state, reward, solved, info
+
+    def get_obs(self, state: SokobanState, params=None, key=None) -> jax.Array:
+        """Cell codes as rendered: 0-5 as gym-sokoban, 6 for the player on a target."""
+        on_target = (state.room_state == PLAYER) & (state.room_fixed == TARGET)
+        return jnp.where(on_target, PLAYER_ON_TARGET, state.room_state).astype(jnp.int8)
+
+    def is_terminated(self, state: SokobanState, params) -> jax.Array:
+        return state.boxes_on_target == self.num_boxes
+
+    def observation_space(self, params=None) -> spaces.Box:
+        return spaces.Box(0, PLAYER_ON_TARGET, self.dim_room, jnp.int8)
+
+    def render_text(self, state: SokobanState) -> str:
+        return render_grid(self.get_obs(state), self.grid_lookup)
+
+    def reward_value(self, reward: float, params=None):
+        """Rebuilds gym-sokoban's double: ``-0.1``, then ``+ 1`` or ``+ -1``, then ``+ 10``."""
+        finished = reward > 5
+        box_change = round(reward + 0.1 - 10 * finished)
+        value = -0.1
+        if box_change:
+            value += box_change
+        if finished:
+            value += 10
+        return value
+
+
+def simple_sokoban(**kwargs) -> Sokoban:
+    """RAGEN's ``SimpleSokoban``: 6x6, one box, search depth 300."""
+    return Sokoban(**{"dim_room": (6, 6), "num_boxes": 1, "search_depth": 300, "tag": "SimpleSokoban", **kwargs})
+
+
+def larger_sokoban(**kwargs) -> Sokoban:
+    """RAGEN's ``LargerSokoban``: 8x8, two boxes, search depth 10."""
+    return Sokoban(**{"dim_room": (8, 8), "num_boxes": 2, "search_depth": 10, "tag": "LargerSokoban", **kwargs})
+
+
+def sokoban_different_grid_vocab(**kwargs) -> Sokoban:
+    """RAGEN's ``SokobanDifferentGridVocab``: 6x6, one box, depth 30, symbols ``W . G C B A @``."""
+    return Sokoban(
+        **{"dim_room": (6, 6), "num_boxes": 1, "search_depth": 30, "grid_lookup": DIFFERENT_GRID_LOOKUP,
+           "tag": "SokobanDifferentGridVocab", **kwargs}
+    )

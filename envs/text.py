@@ -1,0 +1,107 @@
+"""RAGEN's prompt text and host-side response parsing (``ContextManager`` / ``EnvStateManager``).
+
+Everything here reproduces the reference character for character, quirks included (spec sections
+4-6): the system prompt's trailing space, the legend and action lines of the first user message,
+the per-turn state block, ``str()`` of summed rewards, and the parsing and format-penalty rules.
+"""
+
+import re
+from typing import NamedTuple, Sequence
+
+SYSTEM_PROMPT = "You're a helpful assistant. "
+ACTION_SEP = "||"
+MAX_ACTIONS_PER_TURN = 5
+FORMAT_PENALTY = -0.1
+THINK_FORMAT = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
+ANSWER_FORMAT = "<answer> [your answer] </answer>"
+SPECIAL_TOKENS = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
+THINK_PATTERN = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def env_prefix(env) -> str:
+    """The first user message: instruction, symbol legend and action list (``_init_prefix_lookup``)."""
+    text = env.env_instruction
+    if env.grid_vocab:
+        text += "\nThe meaning of each symbol in the state is:\n"
+        text += ", ".join(f"{symbol}: {meaning}" for symbol, meaning in env.grid_vocab.items())
+    if env.prompt_lists_actions:
+        text += "\nYour available actions are:\n" + ", ".join(env.action_names)
+        text += (
+            f"\nYou can make up to {env.max_actions_per_traj} actions, separated by the action separator "
+            f'" {ACTION_SEP} "\n'
+        )
+    return text
+
+
+def turn_text(turn: int, state: str | None, actions_left: int, max_tokens: int = 100, enable_think: bool = True) -> str:
+    """``"\\nTurn {k}:\\n"`` plus the state block RAGEN appends to the running user message."""
+    text = f"\nTurn {turn}:\n"
+    if state is not None:
+        response_format = THINK_FORMAT if enable_think else ANSWER_FORMAT
+        text += (
+            f"State:\n{state}\nYou have {actions_left} actions left. Always output: {response_format} "
+            f"with no extra text. Strictly follow this format. Max response length: {max_tokens} words (tokens).\n"
+        )
+    return text
+
+
+def reward_text(step_rewards: Sequence[float | int]) -> str:
+    """The ``"Reward:\\n{reward}\\n"`` message: ``str()`` of the rewards summed from the integer 0."""
+    total = 0
+    for reward in step_rewards:
+        total += reward
+    return f"Reward:\n{total}\n"
+
+
+class ParsedResponse(NamedTuple):
+    """What RAGEN keeps of one response: the normalised text and the action strings."""
+
+    llm_response: str
+    actions: list[str]
+    matched: bool
+
+
+def parse_response(response: str, enable_think: bool = True, max_actions: int = MAX_ACTIONS_PER_TURN) -> ParsedResponse:
+    """``ContextManager._parse_response``; ``response`` already starts with the forced tag."""
+    match = (THINK_PATTERN if enable_think else ANSWER_PATTERN).search(response)
+    if not match:
+        return ParsedResponse(response, [], False)
+    think, answer = match.groups() if enable_think else ("", match.group(1))
+    for token in SPECIAL_TOKENS:
+        answer = answer.replace(token, "").strip()
+        think = think.replace(token, "").strip()
+    actions = [piece.strip() for piece in answer.split(ACTION_SEP) if piece.strip()]
+    if len(actions) > max_actions:
+        actions = actions[:max_actions]
+        answer = f" {ACTION_SEP} ".join(actions)
+    text = f"<think>{think}</think><answer>{answer}</answer>" if enable_think else f"<answer>{answer}</answer>"
+    return ParsedResponse(text, actions, True)
+
+
+class TurnActions(NamedTuple):
+    """Actions of one turn after mapping: ids to execute, the penalty flag and the counts."""
+
+    action_ids: list[int]
+    format_penalty: bool
+    num_parsed: int
+
+
+def map_actions(actions: Sequence[str], action_names: Sequence[str], actions_left: int) -> TurnActions:
+    """``EnvStateManager`` action mapping: case-insensitive names, penalty, budget truncation.
+
+    The penalty fires when some parsed action is not a known name or when none is valid; actions
+    cut off by the remaining budget are not penalised.
+    """
+    lookup = {name.lower(): index for index, name in enumerate(action_names)}
+    valid = [lookup[action.lower()] for action in actions if action.lower() in lookup]
+    penalty = len(valid) != len(actions) or not valid
+    return TurnActions(valid[: max(actions_left, 0)], penalty, len(actions))
+
+
+def parse_actions(
+    response: str, action_names: Sequence[str], actions_left: int, enable_think: bool = True,
+    max_actions: int = MAX_ACTIONS_PER_TURN,
+) -> TurnActions:
+    """Parses a response and maps its actions: the host reference for the on-device parser."""
+    return map_actions(parse_response(response, enable_think, max_actions).actions, action_names, actions_left)

@@ -1,0 +1,152 @@
+"""FrozenLake: solvable maps, gymnasium's dynamics and slip statistics, RAGEN's text, the solver."""
+
+import gymnasium
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import envs
+from envs.frozen_lake import FrozenLakeState
+from envs.solvers import frozen_lake_transitions, solve_frozen_lake
+
+NUM_MAPS = 1000
+
+
+def state_of(rows: list[str], position: int) -> FrozenLakeState:
+    desc = np.array([[ord(c) for c in row] for row in rows], np.uint8)
+    return FrozenLakeState(jnp.asarray(desc), jnp.int32(position), jnp.int32(0))
+
+
+def reachable(desc: np.ndarray) -> bool:
+    """Independent depth-first search from S to G over non-hole tiles."""
+    size = desc.shape[0]
+    start = tuple(np.argwhere(desc == "S")[0])
+    stack, seen = [start], {start}
+    while stack:
+        row, col = stack.pop()
+        if desc[row, col] == "G":
+            return True
+        for nxt in ((row + 1, col), (row - 1, col), (row, col + 1), (row, col - 1)):
+            if 0 <= nxt[0] < size and 0 <= nxt[1] < size and nxt not in seen and desc[nxt] != "H":
+                seen.add(nxt)
+                stack.append(nxt)
+    return False
+
+
+@pytest.fixture(scope="module")
+def maps():
+    env = envs.make("FrozenLake")
+    reset = jax.jit(jax.vmap(env.reset_env, in_axes=(0, None)))
+    _, states = reset(jax.random.split(jax.random.key(11), NUM_MAPS), env.default_params)
+    return env, reset, jax.device_get(states)
+
+
+def test_every_map_has_a_path_and_distinct_start_and_goal(maps):
+    _, _, states = maps
+    tiles = []
+    for desc, position in zip(states.desc, states.position):
+        desc = np.vectorize(chr)(desc)
+        assert (desc == "S").sum() == 1 and (desc == "G").sum() == 1
+        assert desc.ravel()[position] == "S"
+        assert reachable(desc)
+        tiles.extend(desc[np.isin(desc, ("F", "H"))])
+    frozen = np.mean(np.array(tiles) == "F")
+    assert 0.78 < frozen < 0.9, frozen  # p = 0.8, nudged up by rejecting maps without a path
+
+
+def test_map_generation_is_deterministic(maps):
+    env, reset, states = maps
+    _, again = reset(jax.random.split(jax.random.key(11), NUM_MAPS), env.default_params)
+    np.testing.assert_array_equal(again.desc, states.desc)
+
+
+def test_slip_frequencies_match_gymnasium_probabilities():
+    env = envs.make("FrozenLake")
+    rows = ["FFFF", "FSFF", "FFFF", "FFFG"]
+    state = state_of(rows, 5)
+    num = 30_000
+    step = jax.jit(jax.vmap(env.step_env, in_axes=(0, None, None, None)))
+    gym_env = gymnasium.make("FrozenLake-v1", desc=rows, is_slippery=True).unwrapped
+    for action in range(4):
+        _, next_states, _, _, _ = step(jax.random.split(jax.random.key(action), num), state, action, env.default_params)
+        counts = np.bincount(np.asarray(next_states.position), minlength=16) / num
+        expected = np.zeros(16)
+        for prob, nxt, _, _ in gym_env.P[5][action]:
+            expected[nxt] += prob
+        np.testing.assert_allclose(counts, expected, atol=0.015)
+        assert expected.max() == pytest.approx(1 / 3)
+
+
+def test_scripted_sequences_match_gymnasium_without_slip(maps):
+    env, _, states = maps
+    params = env.default_params.replace(is_slippery=False)
+    step = jax.jit(env.step_env)
+    rng = np.random.default_rng(1)
+    for i in range(20):
+        desc = ["".join(map(chr, row)) for row in states.desc[i]]
+        gym_env = gymnasium.make("FrozenLake-v1", desc=desc, is_slippery=False).unwrapped
+        gym_env.reset(seed=0)
+        state = jax.tree.map(lambda x: x[i], states)
+        for action in rng.integers(0, 4, size=12):
+            gym_s, gym_reward, gym_terminated, _, _ = gym_env.step(int(action))
+            _, state, reward, terminated, info = step(jax.random.key(0), state, int(action), params)
+            assert int(state.position) == gym_s
+            assert env.reward_value(float(reward)) == gym_reward
+            assert bool(terminated) == gym_terminated
+            assert bool(info["success"]) == (desc[gym_s // 4][gym_s % 4] == "G")
+            if gym_terminated:
+                break
+
+
+def test_hole_and_goal_end_the_episode(maps):
+    env = maps[0]
+    params = env.default_params.replace(is_slippery=False)
+    step = jax.jit(env.step_env)
+    state = state_of(["SHFF", "FFFF", "FFFF", "GFFF"], 0)
+    _, in_hole, reward, terminated, info = step(jax.random.key(0), state, 2, params)  # Right
+    assert bool(terminated) and float(reward) == 0.0 and not bool(info["success"])
+    assert env.render_text(in_hole) == "_X__\n____\n____\nG___"
+    state = state_of(["FFFF", "FFFF", "SFFF", "GFFF"], 8)
+    _, at_goal, reward, terminated, info = step(jax.random.key(0), state, 1, params)  # Down
+    assert bool(terminated) and float(reward) == 1.0 and bool(info["success"])
+    assert env.render_text(at_goal) == "____\n____\n____\n\u221a___"
+    assert env.render_text(state) == "____\n____\nP___\nG___"
+
+
+def test_solver_finds_the_most_likely_path():
+    rows = ["SFFF", "FHFH", "FFFH", "HFFG"]
+    desc = np.array([[ord(c) for c in row] for row in rows], np.uint8)
+    actions, prob = solve_frozen_lake(desc, 0, is_slippery=False)
+    assert len(actions) == 6 and prob == 1.0
+    position = 0
+    for action in actions:
+        (position,) = frozen_lake_transitions(desc, position, action, is_slippery=False)
+    assert rows[position // 4][position % 4] == "G"
+    slippery_actions, slippery_prob = solve_frozen_lake(desc, 0, is_slippery=True)
+    gym_env = gymnasium.make("FrozenLake-v1", desc=rows, is_slippery=True).unwrapped
+    merged = {}
+    for cell in range(16):
+        for action in range(4):
+            for p, nxt, _, _ in gym_env.P[cell][action]:
+                key = (cell, action, nxt)
+                merged[key] = merged.get(key, 0.0) + p
+    best = np.zeros(16)  # value iteration for the most probable path into G, from gymnasium's table
+    best[15] = 1.0
+    for _ in range(32):
+        for (cell, _, nxt), p in merged.items():
+            if rows[cell // 4][cell % 4] in "SF" and rows[nxt // 4][nxt % 4] != "H" and nxt != cell:
+                best[cell] = max(best[cell], p * best[nxt])
+    assert slippery_prob == pytest.approx(best[0])
+    position, path_prob = 0, 1.0
+    for action in slippery_actions:
+        nxt = max((n for (c, a, n) in merged if c == position and a == action), key=lambda n: merged[(position, action, n)] * best[n])
+        path_prob *= merged[(position, action, nxt)]
+        position = nxt
+    assert rows[position // 4][position % 4] == "G" and path_prob == pytest.approx(slippery_prob)
+    assert solve_frozen_lake(np.array([[ord(c) for c in r] for r in ["SH", "HG"]], np.uint8), 0) is None
+
+
+def test_bad_size_names_the_field():
+    with pytest.raises(ValueError, match="size"):
+        envs.make("FrozenLake", size=1)

@@ -1,0 +1,40 @@
+"""Multi-head attention as in diffusers' ``Attention`` (to_q, to_k, to_v, to_out.0)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tdd_jax.models.layers import Linear
+
+
+def multi_head_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_heads: int, *,
+                         is_causal: bool = False) -> jax.Array:
+    """softmax(Q K^T / sqrt(d)) V per head (Vaswani et al. 2017, eq. 1); (B, L, H*d) in and out."""
+    def heads(t):
+        return t.reshape(t.shape[0], t.shape[1], num_heads, t.shape[2] // num_heads)
+
+    out = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=is_causal)
+    return out.reshape(q.shape[0], q.shape[1], -1)
+
+
+class Attention(nnx.Module):
+    """Self-attention, or cross-attention when ``context_dim`` is given."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, *, context_dim: int | None = None,
+                 qkv_bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs | None):
+        inner = num_heads * head_dim
+        context_dim = dim if context_dim is None else context_dim
+        self.to_q = Linear(dim, inner, use_bias=qkv_bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.to_k = Linear(context_dim, inner, use_bias=qkv_bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.to_v = Linear(context_dim, inner, use_bias=qkv_bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.to_out = Linear(inner, dim, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.num_heads = num_heads
+
+    def __call__(self, x: jax.Array, context: jax.Array | None = None, lora_scale: float = 1.0) -> jax.Array:
+        context = x if context is None else context
+        q = self.to_q(x, lora_scale)
+        k = self.to_k(context, lora_scale)
+        v = self.to_v(context, lora_scale)
+        return self.to_out(multi_head_attention(q, k, v, self.num_heads), lora_scale)

@@ -9,6 +9,7 @@ takes.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Iterable
 
@@ -34,7 +35,8 @@ def train_chat_tokenizer(texts: Iterable[str], folder: str | os.PathLike, vocab_
     """Trains a byte-level BPE on ``texts``, saves it to ``folder`` and loads it with ``AutoTokenizer``.
 
     Args:
-      texts: the corpus (prompts, rendered states, example responses).
+      texts: the corpus (prompts, rendered states, example responses); the ChatML role
+        headers are added to it, so ``system``, ``user`` and ``assistant`` become tokens.
       folder: where ``tokenizer.json`` and ``tokenizer_config.json`` are written.
       vocab_size: target size including the 256 byte symbols and the special tokens.
 
@@ -49,7 +51,8 @@ def train_chat_tokenizer(texts: Iterable[str], folder: str | os.PathLike, vocab_
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS), special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    role_headers = [f"{TURN_START}{role}\n" for role in ("system", "user", "assistant")] * 100
+    tokenizer.train_from_iterator(itertools.chain(texts, role_headers), trainer=trainer)
     tokenizer.add_tokens(list(TAG_TOKENS))
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=TURN_END, pad_token=PAD_TOKEN,

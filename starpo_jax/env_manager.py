@@ -1,0 +1,150 @@
+"""Host-side environment state manager: one slot per trajectory (RAGEN ``EnvStateManager``, spec §6).
+
+A slot holds one environment instance, its group and tag, the turn history that
+``starpo_jax.trajectory.render_chat`` renders, the accumulated format penalty and
+the per-turn info. ``run_turn`` executes one parsed response with RAGEN's rules:
+case-insensitive action names, unknown names dropped, the budget cut, execution
+stopped at the first ``done``, −0.1 once per turn when some action was invalid or
+none was valid, and the termination / success rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Protocol
+
+import jax
+
+from envs.base import TextEnvironment
+from envs.text import FORMAT_PENALTY, env_prefix, map_actions, reward_text
+from starpo_jax.trajectory import Turn
+
+
+class HostEnv(Protocol):
+    """RAGEN's environment API as the host driver calls it."""
+
+    tag: str
+    action_names: tuple[str, ...]
+    max_actions_per_traj: int
+    max_tokens: int
+
+    def reset(self, seed: int) -> str: ...
+
+    def step(self, action: Any) -> tuple[str, Any, bool, dict]: ...
+
+    def render(self) -> str: ...
+
+
+# What the prompt and the action mapping read off an environment (RAGEN's env config).
+TEXT_ATTRIBUTES = ("tag", "action_names", "env_instruction", "grid_vocab", "prompt_lists_actions",
+                   "max_actions_per_traj", "max_tokens")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(env: TextEnvironment):
+    return jax.jit(env.reset_env), jax.jit(env.step_env)
+
+
+class GymnaxHostEnv:
+    """A jitted gymnax ``TextEnvironment`` stepped one action at a time from Python.
+
+    The key of step k of an episode is ``fold_in(key(seed), k)``, so a seed fixes the episode.
+    """
+
+    def __init__(self, env: TextEnvironment, params: Any = None):
+        self.env = env
+        self.params = env.default_params if params is None else params
+        for name in TEXT_ATTRIBUTES:
+            setattr(self, name, getattr(env, name))
+        self._reset, self._step = _compiled(env)
+        self.state, self._key, self._steps = None, None, 0
+
+    def reset(self, seed: int) -> str:
+        self._key, self._steps = jax.random.key(seed), 0
+        _, self.state = self._reset(jax.random.fold_in(self._key, 0), self.params)
+        return self.render()
+
+    def step(self, action: int) -> tuple[str, Any, bool, dict]:
+        self._steps += 1
+        _, self.state, reward, done, info = self._step(
+            jax.random.fold_in(self._key, self._steps), self.state, action, self.params)
+        info = {name: bool(value) for name, value in info.items()}
+        return self.render(), self.env.reward_value(float(reward), self.params), bool(done), info
+
+    def render(self) -> str:
+        return self.env.render_text(self.state)
+
+
+@dataclasses.dataclass
+class Slot:
+    """The rollout state of one trajectory (RAGEN ``{env_id, group_id, tag, history, penalty, metrics}``)."""
+
+    env: Any
+    group_id: int
+    tag_id: int
+    prefix: str
+    history: list[Turn]
+    penalty: float = 0.0
+    num_actions: int = 0
+    terminated: bool = False
+    truncated: bool = False
+    turn_infos: list[dict] = dataclasses.field(default_factory=list)
+    rewards: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated
+
+    @property
+    def success(self) -> bool:
+        return self.terminated and not self.truncated
+
+    @property
+    def score(self) -> float:
+        return float(sum(self.rewards))
+
+
+def reset_slot(env: Any, seed: int, group_id: int, tag_id: int) -> Slot:
+    """A fresh slot: the environment reset with ``seed`` and its first state in the history."""
+    state = env.reset(seed)
+    return Slot(env, group_id, tag_id, env_prefix(env), [Turn(state, env.max_actions_per_traj)])
+
+
+def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: float = FORMAT_PENALTY) -> None:
+    """Executes one turn's parsed actions on the slot and appends the next history entry."""
+    budget = slot.env.max_actions_per_traj - slot.num_actions
+    if slot.env.action_names:
+        mapped = map_actions(actions, slot.env.action_names, budget)
+        to_run, penalised = mapped.action_ids, mapped.format_penalty
+    else:
+        to_run, penalised = list(actions[:max(budget, 0)]), not actions
+    step_rewards, info, done = [], {}, False
+    for action in to_run:
+        _, reward, done, info = slot.env.step(action)
+        step_rewards.append(reward)
+        slot.num_actions += 1
+        if done:
+            break
+    if penalised:
+        slot.penalty += format_penalty
+    turn = slot.history[-1]
+    turn.llm_response, turn.reward = llm_response, reward_text(step_rewards)
+    slot.rewards.extend(step_rewards)
+    slot.turn_infos.append(info)
+    if done:
+        slot.terminated, slot.truncated = True, not info.get("success", False)
+    elif slot.num_actions >= slot.env.max_actions_per_traj:
+        slot.terminated = slot.truncated = True
+    slot.history.append(Turn(slot.env.render(), slot.env.max_actions_per_traj - slot.num_actions))
+
+
+def slot_metrics(slot: Slot) -> dict[str, float]:
+    """RAGEN's per-trajectory env metrics: success, num_actions and the turn-averaged info flags (§19)."""
+    infos = slot.turn_infos or [{}]
+    return {
+        "success": float(slot.success),
+        "num_actions": float(slot.num_actions),
+        "action_is_effective": sum(float(i.get("action_is_effective", False)) for i in infos) / len(infos),
+        "action_is_valid": sum(float(i.get("action_is_valid", False)) for i in infos) / len(infos),
+    }

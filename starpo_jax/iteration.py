@@ -1,0 +1,127 @@
+"""One StarPO update from a rollout, composed from the pure pieces (spec §9).
+
+normalise scores → filter groups by reward std → old / reference log-probs and
+values → token rewards (KL-in-reward optional) → advantages → critic steps →
+actor steps, one optimiser step per mini-batch. The algorithm (PPO or GRPO,
+StarPO or StarPO-S) is only the config; nothing here branches on its name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runtime.mesh import batch_sharding
+from runtime.train_state import TrainState
+from starpo_jax.advantages import apply_kl_penalty, compute_advantage
+from starpo_jax.config import StarPOConfig
+from starpo_jax.filtering import filter_groups_by_reward_std
+from starpo_jax.masked import masked_mean
+from starpo_jax.scores import normalization_group_ids, normalize_scores, place_scores_on_last_token
+from starpo_jax.steps import CriticBatch, PolicyBatch
+from starpo_jax.trajectory import Trajectory
+
+
+class Learner(NamedTuple):
+    """The compiled functions and frozen parts one update needs (built by the launch script).
+
+    ``actor_step`` / ``critic_step``: ``(state, frozen, batch) -> (state, metrics)``;
+    ``log_probs`` / ``values``: ``(trainable, frozen, ids, mask) -> [B, L − 1]``;
+    ``reference``: trainable variables giving the reference policy (LoRA zeroed, or the
+    initial parameters), or ``None`` when no KL term needs it.
+    """
+
+    actor_step: Callable
+    critic_step: Callable | None
+    log_probs: Callable
+    values: Callable | None
+    actor_frozen: Any
+    critic_frozen: Any
+    reference: Any
+
+
+def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tuple[Trajectory, jax.Array, dict]:
+    """Normalised scores on the full batch, then the StarPO-S group filter (§8.2, §11).
+
+    Returns the kept rows (group-major), their normalised scores and the filter metrics. The
+    filter ranks ``score + penalty`` before normalisation (decision 12).
+    """
+    groups = config.es_manager.train
+    norm = config.agent_proxy.reward_normalization
+    rollout = config.actor_rollout_ref.rollout
+    group_ids = normalization_group_ids(norm.grouping, jnp.asarray(traj.group_ids), jnp.asarray(traj.tag_ids))
+    num_groups = groups.env_groups if norm.grouping != "inductive" else num_tags
+    normalized = normalize_scores(traj.scores, traj.penalty, group_ids, max(num_groups, 1), norm.method)
+    raw = jnp.asarray(traj.scores) + jnp.asarray(traj.penalty)
+    kept = filter_groups_by_reward_std(raw.reshape(groups.env_groups, groups.group_size),
+                                       rollout.rollout_filter_ratio, rollout.rollout_filter_type,
+                                       rollout.rollout_filter_drop_zero_std)
+    rows = np.asarray(kept.sample_indices)
+    selected = Trajectory(*(np.asarray(x)[rows] for x in traj))
+    selected = selected._replace(loss_mask=selected.loss_mask * np.asarray(kept.sample_mask)[:, None])
+    return selected, normalized[rows], kept.metrics
+
+
+def _collect(rows: list[dict]) -> dict[str, list]:
+    collected: dict[str, list] = {}
+    for row in rows:
+        for name, value in row.items():
+            collected.setdefault(name, []).append(value)
+    return collected
+
+
+def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj: Trajectory,
+           config: StarPOConfig, num_tags: int = 1) -> tuple[TrainState, TrainState | None, dict[str, float]]:
+    """Filters, scores and trains on one rollout; returns the new states and RAGEN-named metrics."""
+    timing: dict[str, float] = {}
+    clock = time.perf_counter()
+    batch, normalized, metrics = select_groups(traj, config, num_tags)
+    ids, mask, loss_mask = (jnp.asarray(x) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask))
+
+    old_log_probs = learner.log_probs(actor.params, learner.actor_frozen, ids, mask)
+    timing["timing_s/old_log_prob"] = time.perf_counter() - clock
+    ref_log_probs = jnp.zeros_like(old_log_probs)
+    if learner.reference is not None:
+        ref_log_probs = learner.log_probs(learner.reference, learner.actor_frozen, ids, mask)
+        metrics["rollout/ref_log_prob"] = masked_mean(ref_log_probs, loss_mask)
+    metrics["rollout/old_log_prob"] = masked_mean(old_log_probs, loss_mask)
+    values = None
+    if critic is not None:
+        values = learner.values(critic.params, learner.critic_frozen, ids, mask) * loss_mask
+
+    rewards = place_scores_on_last_token(normalized, loss_mask.shape[1])
+    algorithm = config.algorithm
+    if algorithm.use_kl_in_reward:
+        out = apply_kl_penalty(rewards, old_log_probs, ref_log_probs, loss_mask, algorithm.kl_ctrl.kl_coef,
+                               algorithm.kl_penalty)
+        rewards, metrics = out.rewards, {**metrics, **out.metrics}
+    adv = compute_advantage(algorithm.adv_estimator, rewards, values, loss_mask, gamma=algorithm.gamma,
+                            lam=algorithm.lam, bi_level_gae=algorithm.bi_level_gae,
+                            high_level_gamma=algorithm.high_level_gamma,
+                            grpo_length_weight=config.grpo_advantage_length_weight)
+    metrics.update({"critic/score/mean": jnp.mean(normalized), "critic/advantages/mean": masked_mean(adv.advantages, loss_mask),
+                    "critic/returns/mean": masked_mean(adv.returns, loss_mask),
+                    "response_length/mean": jnp.mean(jnp.sum(loss_mask, axis=1))})
+
+    mini = config.ppo_mini_batch_size
+    rows_sharding = batch_sharding(actor.step.sharding.mesh, 2)
+    step_metrics: list[dict] = []
+    for start in range(0, ids.shape[0], mini):
+        rows = slice(start, start + mini)
+        if critic is not None:
+            critic, m = learner.critic_step(critic, learner.critic_frozen, jax.device_put(CriticBatch(
+                ids[rows], mask[rows], loss_mask[rows], values[rows], adv.returns[rows]), rows_sharding))
+            step_metrics.append(m)
+        actor, m = learner.actor_step(actor, learner.actor_frozen, jax.device_put(PolicyBatch(
+            ids[rows], mask[rows], loss_mask[rows], old_log_probs[rows], adv.advantages[rows], ref_log_probs[rows]),
+            rows_sharding))
+        step_metrics.append(m)
+    timing["timing_s/update"] = time.perf_counter() - clock - timing["timing_s/old_log_prob"]
+    host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    for name, values in _collect(jax.device_get(step_metrics)).items():
+        host[name] = float(np.mean(values))
+    return actor, critic, {**host, **timing}

@@ -1,0 +1,141 @@
+"""Memory-mapped reading and sharded writing of safetensors files (numpy, bfloat16 included).
+
+The format is an 8-byte little-endian header length, a JSON header mapping each
+tensor name to ``dtype``, ``shape`` and ``data_offsets``, then the raw data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class TensorInfo(NamedTuple):
+    """Where one tensor lives: file, dtype, shape and byte offset of its data."""
+
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+class SafetensorsIndex:
+    """Name -> tensor over one or many safetensors files, read lazily through ``np.memmap``."""
+
+    def __init__(self, files: Iterable[Path]):
+        self.tensors: dict[str, TensorInfo] = {}
+        self._maps: dict[Path, np.memmap] = {}
+        for file in files:
+            for name, info in read_header(file).items():
+                if name in self.tensors:
+                    raise ValueError(f"tensor {name!r} appears in both {self.tensors[name].file} and {file}")
+                self.tensors[name] = info
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "SafetensorsIndex":
+        """Uses ``model.safetensors.index.json`` when present, else every ``*.safetensors`` file."""
+        index = folder / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map'")
+            files = sorted({folder / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} lists shard file(s) that do not exist: {', '.join(missing)}")
+            result = cls(files)
+            absent = sorted(k for k, f in weight_map.items() if k not in result.tensors)
+            if absent:
+                raise KeyError(f"{index} maps key(s) {absent[:5]} to shards that do not hold them")
+            return result
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file and no {INDEX_FILE} in {folder}")
+        return cls(files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only array view of tensor ``name`` (no copy until used)."""
+        info = self.tensors[name]
+        if info.file not in self._maps:
+            self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
+        size = int(np.prod(info.shape, dtype=np.int64)) * info.dtype.itemsize
+        raw = self._maps[info.file][info.offset:info.offset + size]
+        return raw.view(info.dtype).reshape(info.shape)
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Parses the JSON header of one safetensors file."""
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{file} is not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", prefix)
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} has a corrupt safetensors header: {e}") from None
+    start = 8 + length
+    result = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        result[name] = TensorInfo(file, np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"]),
+                                  start + entry["data_offsets"][0])
+    return result
+
+
+def write_file(file: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Writes ``tensors`` to one safetensors file."""
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = {}
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        header[name] = {"dtype": NAMES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+        arrays[name] = array
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for array in arrays.values():
+            f.write(array.tobytes())
+
+
+def write_sharded(folder: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+    """Writes ``model.safetensors``, or numbered shards plus the index when over ``max_shard_bytes``."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    if len(shards) == 1:
+        write_file(folder / "model.safetensors", shards[0])
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_file(folder / name, shard)
+        weight_map.update({key: name for key in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

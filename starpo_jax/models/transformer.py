@@ -1,0 +1,196 @@
+"""Decoder-only transformer (Qwen2/2.5, Qwen3, Llama 3.x) as a Flax NNX module.
+
+Pre-norm blocks: ``x + Attn(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``. The layers
+are stacked on a leading ``layers`` axis and applied with ``jax.lax.scan``, so compile
+time does not grow with depth. Inputs are left padded: ``tokens[B, T]`` with
+``mask[B, T]``; position ids are derived from the mask and the cache (see ``kv_cache``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from starpo_jax.models import kv_cache
+from starpo_jax.models.config import TransformerConfig
+from starpo_jax.models.kv_cache import KVCache
+from starpo_jax.models.lora import Dense, LoRAConfig
+from starpo_jax.models.rope import apply_rope, inverse_frequencies
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * w`` (Zhang & Sennrich 2019, eq. 4), normalised in float32."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = nnx.Param(nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",))(
+            rngs.params(), (dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _lora_for(name: str, lora: LoRAConfig | None) -> LoRAConfig | None:
+    return lora if lora is not None and name in lora.targets else None
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, config: TransformerConfig, lora: LoRAConfig | None, rngs: nnx.Rngs):
+        c, e, n, k, d = config, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        kw = dict(param_dtype=c.weight_dtype, dtype=c.compute_dtype, rngs=rngs)
+        self.q_proj = Dense((e,), (n, d), ("embed",), ("heads", "head_dim"), use_bias=c.attention_bias,
+                            lora=_lora_for("q_proj", lora), **kw)
+        self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), use_bias=c.attention_bias,
+                            lora=_lora_for("k_proj", lora), **kw)
+        self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), use_bias=c.attention_bias,
+                            lora=_lora_for("v_proj", lora), **kw)
+        self.o_proj = Dense((n, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=c.output_bias,
+                            lora=_lora_for("o_proj", lora), **kw)
+        self.q_norm = RMSNorm(d, c.rms_norm_eps, c.weight_dtype, rngs) if c.qk_norm else None
+        self.k_norm = RMSNorm(d, c.rms_norm_eps, c.weight_dtype, rngs) if c.qk_norm else None
+        self.config = config
+
+    def __call__(self, x, positions, mask, cache_kv=None):
+        """Attends ``x[B, T, E]`` to itself, or to the cache after writing its keys/values there.
+
+        Args:
+          positions, mask: ``[B, T]`` position ids and validity of the segment.
+          cache_kv: ``(keys, values, lengths)`` of this layer, or ``None`` (no cache).
+
+        Returns:
+          The output ``[B, T, E]`` and the updated ``(keys, values)`` (``None`` without a cache).
+        """
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inverse_frequencies(self.config)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if cache_kv is None:
+            key_positions, key_valid, new_kv = positions, mask, None
+        else:
+            cache_k, cache_v, lengths = cache_kv
+            k = kv_cache.write(cache_k, k, positions, mask)
+            v = kv_cache.write(cache_v, v, positions, mask)
+            new_kv = (k, v)
+            key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[1])
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        bias_mask = kv_cache.attention_mask(positions, key_positions, key_valid)
+        out = jax.nn.dot_product_attention(q, k, v, mask=bias_mask)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, eq. 6)."""
+
+    def __init__(self, config: TransformerConfig, lora: LoRAConfig | None, rngs: nnx.Rngs):
+        e, m = config.hidden_size, config.intermediate_size
+        kw = dict(param_dtype=config.weight_dtype, dtype=config.compute_dtype, rngs=rngs)
+        self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), lora=_lora_for("gate_proj", lora), **kw)
+        self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), lora=_lora_for("up_proj", lora), **kw)
+        self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), lora=_lora_for("down_proj", lora), **kw)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, config: TransformerConfig, lora: LoRAConfig | None, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype, rngs)
+        self.self_attn = Attention(config, lora, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype, rngs)
+        self.mlp = MLP(config, lora, rngs)
+
+    def __call__(self, x, positions, mask, cache_kv=None):
+        h, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class Decoder(nnx.Module):
+    """Token embedding, ``num_layers`` scanned blocks and the final RMSNorm (HF ``model.*``)."""
+
+    def __init__(self, config: TransformerConfig, lora: LoRAConfig | None, rngs: nnx.Rngs):
+        self.config = config
+        init = nnx.initializers.normal(1.0)
+        self.embed_tokens = nnx.Param(nnx.with_partitioning(init, ("vocab", "embed"))(
+            rngs.params(), (config.vocab_size, config.hidden_size), config.weight_dtype))
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked(layer_rngs):
+            return Block(config, lora, layer_rngs)
+
+        self.layers = stacked(rngs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype, rngs)
+
+    def __call__(self, tokens: jax.Array, mask: jax.Array, cache: KVCache | None = None):
+        """Hidden states ``[B, T, E]`` of a left-padded segment, and the cache with it appended."""
+        mask = mask.astype(bool)
+        lengths = jnp.zeros(tokens.shape[:1], jnp.int32) if cache is None else cache.lengths
+        positions = kv_cache.segment_positions(mask, lengths)
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.compute_dtype)
+        graphdef, layer_state = nnx.split(self.layers)
+        if cache is None:
+            def body(h, state):
+                return nnx.merge(graphdef, state)(h, positions, mask)[0], None
+            xs = layer_state
+        else:
+            new_lengths = lengths + jnp.sum(mask, axis=-1, dtype=jnp.int32)
+
+            def body(h, inputs):
+                state, cache_k, cache_v = inputs
+                return nnx.merge(graphdef, state)(h, positions, mask, (cache_k, cache_v, new_lengths))
+            xs = (layer_state, cache.keys, cache.values)
+        if self.config.remat:
+            body = jax.checkpoint(body)
+        x, new_kv = jax.lax.scan(body, x, xs)
+        if cache is not None:
+            cache = KVCache(new_kv[0], new_kv[1], new_lengths)
+        return self.norm(x), cache
+
+
+class CausalLM(nnx.Module):
+    """Decoder plus the language-model head (tied to the embedding when the config says so)."""
+
+    def __init__(self, config: TransformerConfig, *, lora: LoRAConfig | None = None, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Decoder(config, lora, rngs)
+        self.lm_head = None if config.tie_word_embeddings else nnx.Param(
+            nnx.with_partitioning(nnx.initializers.normal(1.0 / config.hidden_size ** 0.5), ("embed", "vocab"))(
+                rngs.params(), (config.hidden_size, config.vocab_size), config.weight_dtype))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits ``[..., vocab]`` of hidden states."""
+        dtype = self.config.compute_dtype
+        if self.lm_head is None:
+            head, dims = self.model.embed_tokens[...].astype(dtype), (((hidden.ndim - 1,), (1,)), ((), ()))
+        else:
+            head, dims = self.lm_head[...].astype(dtype), (((hidden.ndim - 1,), (0,)), ((), ()))
+        return jax.lax.dot_general(hidden.astype(dtype), head, dims, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, mask: jax.Array, cache: KVCache | None = None):
+        """Logits ``[B, T, vocab]`` (float32) and the updated cache (``None`` when none was given)."""
+        hidden, cache = self.model(tokens, mask, cache)
+        return self.logits(hidden), cache
+
+
+class Critic(nnx.Module):
+    """The same backbone with a scalar value head (HF ``...ForTokenClassification`` with one label)."""
+
+    def __init__(self, config: TransformerConfig, *, lora: LoRAConfig | None = None, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Decoder(config, lora, rngs)
+        self.score = Dense((config.hidden_size,), (1,), ("embed",), ("value",), use_bias=True,
+                           param_dtype=config.weight_dtype, dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, mask: jax.Array, cache: KVCache | None = None):
+        """Values ``[B, T]`` (float32): the value at token j is used for position j."""
+        hidden, cache = self.model(tokens, mask, cache)
+        return self.score(hidden)[..., 0], cache

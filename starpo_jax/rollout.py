@@ -1,0 +1,125 @@
+"""Host-driven multi-turn rollout (spec §3): compiled decoding per turn, Python parse and env step.
+
+Each turn decodes every active row with the compiled sampler, continuing one KV
+cache across turns: turn 1 feeds the whole prompt, later turns only the text
+that follows the previous response (its turn end, the Reward message and the
+next state, up to the forced ``<think>``). Responses are parsed with RAGEN's
+rules and executed by ``starpo_jax.env_manager``. The training sequence of each
+trajectory is either RAGEN's re-rendered chat (default, spec §5) or exactly the
+fed and sampled token ids (``train_on_sampled_ids``, decision 10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from envs.text import FORMAT_PENALTY, MAX_ACTIONS_PER_TURN, parse_response
+from starpo_jax.env_manager import Slot, run_turn
+from starpo_jax.models.kv_cache import KVCache
+from starpo_jax.trajectory import (Trajectory, chat_tokens, left_pad, loss_mask, position_ids, render_chat,
+                                   render_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """Turn and length limits of one rollout (RAGEN ``agent_proxy`` / ``rollout`` keys)."""
+
+    max_turn: int = 5
+    max_actions_per_turn: int = MAX_ACTIONS_PER_TURN
+    enable_think: bool = True
+    format_penalty: float = FORMAT_PENALTY
+    max_model_len: int = 3600
+    train_on_sampled_ids: bool = False
+    enable_response_mask: bool = True
+    mask_alignment: str = "reference"
+    bucket: int = 32
+
+
+def _continuation(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
+    """The prompt text after the last response's turn-end token: Reward, next Turn, generation prompt."""
+    messages = render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
+                           enable_think=settings.enable_think)
+    full = render_text(tokenizer, messages, for_update=False, enable_think=settings.enable_think)
+    through = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
+    return full[through.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
+
+
+def _training_tail(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
+    """What the training text has after the final response's turn-end token (Qwen: ``"\\n"``)."""
+    text = render_text(tokenizer, render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
+                                              enable_think=settings.enable_think, for_update=True), for_update=True)
+    return text[text.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
+
+
+def _bucketed(rows: Sequence[Sequence[int]], pad_id: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    width = -(-max(1, max(len(r) for r in rows)) // bucket) * bucket
+    return left_pad(rows, pad_id, width)
+
+
+def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot], cache: KVCache, key: jax.Array,
+                 settings: RolloutSettings = RolloutSettings()) -> Trajectory:
+    """Plays every slot to the end (or ``max_turn``) and returns one left-padded sequence per slot.
+
+    Args:
+      sample: ``starpo_jax.sampler.make_sampler(...)`` with ``stop_ids`` containing the EOS id.
+      params: the policy's parameters (``nnx.split`` state).
+      tokenizer: the policy's tokenizer (chat template, EOS = turn-end token, pad token).
+      slots: fresh slots (``env_manager.reset_slot``); they are played in place.
+      cache: an empty ``KVCache`` with ``len(slots)`` rows and ``max_model_len`` slots.
+      key: PRNG key; turn t uses ``fold_in(key, t)``.
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    forced = "<think>" if settings.enable_think else "<answer>"
+    fed: list[list[int]] = [[] for _ in slots]
+    ended = [True] * len(slots)
+    for turn in range(settings.max_turn):
+        active = np.array([not slot.done for slot in slots])
+        if not active.any():
+            break
+        rows = []
+        for i, slot in enumerate(slots):
+            if not active[i]:
+                rows.append([])
+            elif turn == 0:
+                rows.append(tokenizer.encode(render_text(
+                    tokenizer, render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
+                                           enable_think=settings.enable_think),
+                    for_update=False, enable_think=settings.enable_think), add_special_tokens=False))
+            else:
+                rows.append(([] if ended[i] else [eos])
+                            + tokenizer.encode(_continuation(tokenizer, slot, settings), add_special_tokens=False))
+        if max(len(f) + len(r) for f, r in zip(fed, rows)) > settings.max_model_len:
+            raise ValueError(f"a prompt of turn {turn + 1} exceeds max_model_len={settings.max_model_len} tokens")
+        tokens, mask = _bucketed(rows, pad, settings.bucket)
+        out = sample(params, tokens, mask, cache, jax.random.fold_in(key, turn), active)
+        cache = out.cache
+        generated, lengths = jax.device_get((out.tokens, out.lengths))
+        for i in np.flatnonzero(active):
+            ids = [int(t) for t in generated[i, :lengths[i]]]
+            fed[i] += rows[i] + ids
+            ended[i] = bool(ids) and ids[-1] == eos
+            parsed = parse_response(forced + tokenizer.decode(ids, skip_special_tokens=True),
+                                    settings.enable_think, settings.max_actions_per_turn)
+            run_turn(slots[i], parsed.llm_response, parsed.actions, settings.format_penalty)
+    if settings.train_on_sampled_ids:
+        sequences = [f + ([] if e else [eos]) + tokenizer.encode(_training_tail(tokenizer, s, settings),
+                                                                 add_special_tokens=False)
+                     for f, e, s in zip(fed, ended, slots)]
+    else:
+        sequences = [tokenizer.encode(render_text(tokenizer, render_chat(
+            s.prefix, s.history, max_tokens=s.env.max_tokens, enable_think=settings.enable_think, for_update=True),
+            for_update=True), add_special_tokens=False) for s in slots]
+    ids, attention = _bucketed(sequences, pad, settings.bucket)
+    if ids.shape[1] > settings.max_model_len:
+        raise ValueError(f"a trajectory of {max(map(len, sequences))} tokens exceeds "
+                         f"max_model_len={settings.max_model_len}")
+    mask = loss_mask(ids, attention, chat_tokens(tokenizer), enable_response_mask=settings.enable_response_mask,
+                     alignment=settings.mask_alignment)
+    return Trajectory(
+        input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), loss_mask=np.asarray(mask),
+        scores=np.array([s.score for s in slots], np.float32), penalty=np.array([s.penalty for s in slots], np.float32),
+        group_ids=np.array([s.group_id for s in slots], np.int32), tag_ids=np.array([s.tag_id for s in slots], np.int32))

@@ -1,0 +1,179 @@
+"""Compiled autoregressive sampling: one prefill, then a ``lax.while_loop`` of cached decode steps.
+
+Every row stops on its own (stop ids, stop strings, length cap); the loop ends when
+all rows have stopped. Each generated token, the stop token included, is written to
+the KV cache, so the returned cache continues into the next turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax.sharding import Mesh
+
+from starpo_jax.models.kv_cache import KVCache, cache_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Decoding settings (static: a change compiles a new sampler).
+
+    Attributes:
+      max_new_tokens: length cap per call.
+      temperature: softmax temperature; ignored when ``greedy``.
+      top_p: nucleus mass (Holtzman et al. 2020); 1.0 disables it.
+      top_k: keep the k most likely tokens; 0 disables it.
+      greedy: take the argmax instead of sampling.
+      stop_ids: token ids that end a row (they are kept in the output).
+      pad_id: filler of the output after a row's end.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    stop_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"SamplerConfig.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"SamplerConfig.temperature must be positive (or set greedy=True), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplerConfig.top_k must be a non-negative integer, got {self.top_k!r}")
+
+
+class StopStrings(NamedTuple):
+    """Token-level automaton of stop strings (``starpo_jax.tokenizer.stop_string_automaton``).
+
+    ``transitions[n, state, token]`` is the next match state of string ``n``;
+    reaching ``lengths[n]`` means the string has appeared in the generated text.
+    """
+
+    transitions: jax.Array
+    lengths: jax.Array
+
+
+class Sample(NamedTuple):
+    """Generated ``tokens[B, N]``, their ``log_probs[B, N]``, ``lengths[B]`` and the continued cache.
+
+    Log-probs are under ``softmax(logits / temperature)`` before top-k/top-p truncation
+    (the model's own log-probs at temperature 1 or greedy); entries past a row's length are 0.
+    """
+
+    tokens: jax.Array
+    log_probs: jax.Array
+    lengths: jax.Array
+    cache: KVCache
+
+
+def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Sets to -inf the logits outside the top k and outside the smallest set with mass >= top_p."""
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return logits
+
+
+def choose(logits: jax.Array, key: jax.Array, config: SamplerConfig) -> tuple[jax.Array, jax.Array]:
+    """Next tokens ``[B]`` and their log-probabilities under ``softmax(logits / temperature)``."""
+    temperature = 1.0 if config.greedy else config.temperature
+    log_probs = jax.nn.log_softmax(logits / temperature, axis=-1)
+    if config.greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        tokens = jax.random.categorical(key, filter_logits(log_probs, config.top_k, config.top_p), axis=-1)
+    return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+
+
+class _Loop(NamedTuple):
+    step: jax.Array
+    token: jax.Array
+    tokens: jax.Array
+    log_probs: jax.Array
+    lengths: jax.Array
+    running: jax.Array
+    stop_state: jax.Array
+    cache: KVCache
+
+
+def _stopped(token, step, stop_state, config: SamplerConfig, stop: StopStrings | None):
+    """Whether each row ends with ``token`` (its ``step``-th), and the advanced stop-string states."""
+    ended = step + 1 >= config.max_new_tokens
+    if config.stop_ids:
+        ended = ended | jnp.isin(token, jnp.asarray(config.stop_ids, jnp.int32))
+    if stop is not None:
+        strings = jnp.arange(stop.transitions.shape[0])
+        stop_state = stop.transitions[strings[None, :], stop_state, token[:, None]]
+        ended = ended | jnp.any(stop_state >= stop.lengths[None, :], axis=-1)
+    return ended, stop_state
+
+
+def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopStrings | None = None,
+                 mesh: Mesh | None = None) -> Callable:
+    """Compiles ``sample(params, tokens, mask, cache, key, active) -> Sample``.
+
+    With ``mesh``, the cache is kept on ``cache_shardings`` (batch over the data axes,
+    kv heads over ``tensor``) at every decode step instead of wherever propagation puts it.
+
+    Args of the returned function:
+      params: the model state (``nnx.split(model)[1]``).
+      tokens, mask: ``[B, T]`` left-padded new segment (the prompt, or the next turn's text).
+      cache: ``KVCache`` holding the earlier turns (lengths 0 for a fresh one); donated. It
+        must have room for ``T + max_new_tokens`` more slots per row.
+      key: PRNG key.
+      active: ``[B]`` bool, rows that generate (others only append their segment).
+    """
+    def placed(cache: KVCache) -> KVCache:
+        return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+    def sample(params: Any, tokens, mask, cache: KVCache, key, active) -> Sample:
+        model = nnx.merge(graphdef, params)
+        batch, n = tokens.shape[0], config.max_new_tokens
+        hidden, cache = model.model(tokens, mask, cache)  # only the last position needs logits
+        cache = placed(cache)
+        token, log_prob = choose(model.logits(hidden[:, -1]), jax.random.fold_in(key, 0), config)
+        num_strings = 0 if stop is None else stop.transitions.shape[0]
+        ended, stop_state = _stopped(token, jnp.int32(0), jnp.zeros((batch, num_strings), jnp.int32), config, stop)
+        state = _Loop(
+            step=jnp.int32(1), token=token,
+            tokens=jnp.full((batch, n), config.pad_id, jnp.int32).at[:, 0].set(jnp.where(active, token, config.pad_id)),
+            log_probs=jnp.zeros((batch, n), jnp.float32).at[:, 0].set(jnp.where(active, log_prob, 0.0)),
+            lengths=active.astype(jnp.int32), running=active & ~ended, stop_state=stop_state, cache=cache)
+
+        def unfed(s: _Loop):
+            return jnp.any(s.lengths >= s.step)
+
+        def decode(s: _Loop) -> _Loop:
+            feed = s.lengths >= s.step
+            logits, cache = model(s.token[:, None], feed[:, None], s.cache)
+            cache = placed(cache)
+            token, log_prob = choose(logits[:, 0], jax.random.fold_in(key, s.step), config)
+            ended, stop_state = _stopped(token, s.step, s.stop_state, config, stop)
+            column = jnp.minimum(s.step, n - 1)
+            return _Loop(
+                step=s.step + 1, token=jnp.where(s.running, token, s.token),
+                tokens=s.tokens.at[:, column].set(jnp.where(s.running, token, s.tokens[:, column])),
+                log_probs=s.log_probs.at[:, column].set(jnp.where(s.running, log_prob, s.log_probs[:, column])),
+                lengths=s.lengths + s.running, running=s.running & ~ended,
+                stop_state=jnp.where(s.running[:, None], stop_state, s.stop_state), cache=cache)
+
+        final = jax.lax.while_loop(unfed, decode, state)
+        return Sample(final.tokens, final.log_probs, final.lengths, final.cache)
+
+    return jax.jit(sample, donate_argnames="cache")

@@ -1,0 +1,174 @@
+"""Pure actor and critic steps, and the log-prob / value passes that feed them (spec §9, §10).
+
+A model is split once into a graph definition, its trainable variables (all
+parameters, or only the LoRA adapters) and the frozen rest. Each step is
+``step(state, frozen, batch) -> (state, metrics)``: micro-batches are
+accumulated inside the compiled step with ``lax.scan``, each divided by the
+whole mini-batch's ``loss_normalizer`` so the result does not depend on the
+micro-batch size (decision 5), gradients are clipped
+by global norm, and an update with non-finite gradients is skipped and counted
+(``runtime.guards.skip_non_finite``). Compile with ``runtime.train_state.compile_step``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from runtime.guards import non_finite_metrics, skip_non_finite
+from runtime.train_state import TrainState
+from starpo_jax.config import ActorConfig, CriticConfig, OptimConfig
+from starpo_jax.losses import actor_loss, clipped_value_loss, entropy_from_logits, loss_normalizer
+
+# Loss terms whose micro-batch values add up to the mini-batch value; other metrics are averaged.
+SUMMED_METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss")
+
+
+class PolicyBatch(NamedTuple):
+    """One actor mini-batch; per-position arrays are ``[B, L − 1]`` (position j scores token j + 1)."""
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    loss_mask: jax.Array
+    old_log_probs: jax.Array
+    advantages: jax.Array
+    ref_log_probs: jax.Array
+
+
+class CriticBatch(NamedTuple):
+    """One critic mini-batch; the value at token j is used for position j (``[B, L − 1]``)."""
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    loss_mask: jax.Array
+    old_values: jax.Array
+    returns: jax.Array
+
+
+def split_trainable(model: nnx.Module, lora: bool) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """``(graphdef, trainable, frozen)``: LoRA adapters only, or every parameter."""
+    return nnx.split(model, nnx.LoRAParam if lora else nnx.Param, ...)
+
+
+def make_optimizer(optim: OptimConfig, grad_clip: float) -> optax.GradientTransformation:
+    """AdamW with a constant learning rate after global-norm clipping; non-finite updates skipped."""
+    return skip_non_finite(optax.chain(
+        optax.clip_by_global_norm(grad_clip),
+        optax.adamw(optim.lr, b1=optim.betas[0], b2=optim.betas[1], eps=1e-8, weight_decay=optim.weight_decay)))
+
+
+def token_log_probs(logits: jax.Array, input_ids: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """Log-probabilities and entropies of tokens 1..L−1 under ``softmax(logits / T)``, each ``[B, L − 1]``."""
+    scaled = logits[:, :-1].astype(jnp.float32) / temperature
+    log_probs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), input_ids[:, 1:, None], axis=-1)[..., 0]
+    return log_probs, entropy_from_logits(scaled)
+
+
+def micro_batches(batch: Any, num_micro_batches: int) -> Any:
+    """Splits the leading axis into ``[num_micro_batches, B / num_micro_batches, ...]``.
+
+    Micro-batch k takes rows k, k + n, k + 2n, …, so a batch sharded over devices by
+    contiguous rows stays spread over all devices in every micro-batch.
+    """
+    def split(x):
+        if x.shape[0] % num_micro_batches:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {num_micro_batches} micro-batches")
+        return jnp.swapaxes(x.reshape(x.shape[0] // num_micro_batches, num_micro_batches, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _accumulated_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, num_micro_batches: int,
+                      loss_fn: Callable, prefix: str, lr: float, loss_agg_mode: str) -> Callable:
+    """A step that sums ``loss_fn(model, micro_batch, normalizer) -> (loss, metrics)`` over micro-batches."""
+    def step(state: TrainState, frozen: nnx.State, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        normalizer = loss_normalizer(batch.loss_mask, loss_agg_mode)
+
+        def micro_loss(params, micro):
+            return loss_fn(nnx.merge(graphdef, params, frozen), micro, normalizer)
+
+        def accumulate(grads, micro):
+            (_, metrics), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(state.params, micro)
+            return jax.tree.map(jnp.add, grads, micro_grads), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, micro_batches(batch, num_micro_batches))
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        metrics = {name: (jnp.sum if name in SUMMED_METRICS else jnp.mean)(value) for name, value in metrics.items()}
+        metrics[f"{prefix}/grad_norm"] = optax.tree.norm(grads)
+        metrics[f"{prefix}/lr"] = jnp.asarray(lr, jnp.float32)
+        metrics.update({f"{prefix}/{name.split('/')[1]}": value for name, value in non_finite_metrics(opt_state).items()})
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1, state.rng), metrics
+
+    return step
+
+
+def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, actor: ActorConfig,
+                    num_micro_batches: int, temperature: float = 1.0) -> Callable:
+    """``step(state, frozen, PolicyBatch)``: one optimiser step of the StarPO policy loss (§10)."""
+    def loss_fn(model, micro: PolicyBatch, normalizer):
+        logits, _ = model(micro.input_ids, micro.attention_mask)
+        log_probs, entropy = token_log_probs(logits, micro.input_ids, temperature)
+        out = actor_loss(log_probs, micro.old_log_probs, micro.advantages, micro.loss_mask, entropy,
+                         micro.ref_log_probs, clip_ratio_low=actor.clip_ratio_low,
+                         clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
+                         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
+                         kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+                         loss_agg_mode=actor.loss_agg_mode, normalizer=normalizer)
+        return out.loss, out.metrics
+
+    return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "actor", actor.optim.lr, actor.loss_agg_mode)
+
+
+def make_critic_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, critic: CriticConfig,
+                     num_micro_batches: int) -> Callable:
+    """``step(state, frozen, CriticBatch)``: one optimiser step of the clipped value loss (§10)."""
+    def loss_fn(model, micro: CriticBatch, normalizer):
+        values, _ = model(micro.input_ids, micro.attention_mask)
+        out = clipped_value_loss(values[:, :-1], micro.old_values, micro.returns, micro.loss_mask,
+                                 critic.cliprange_value, critic.loss_agg_mode, normalizer)
+        return out.loss, out.metrics
+
+    return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "critic", critic.optim.lr,
+                             critic.loss_agg_mode)
+
+
+def make_log_prob_fn(graphdef: nnx.GraphDef, num_micro_batches: int, temperature: float = 1.0) -> Callable:
+    """``fn(trainable, frozen, input_ids, attention_mask) -> log_probs [B, L − 1]``, micro-batched.
+
+    Old log-probs are recomputed with the training parameters (§9 step 4). Reference
+    log-probs are the same pass with the LoRA adapters zeroed (the base model exactly)
+    or with a frozen copy of the initial parameters.
+    """
+    def fn(trainable, frozen, input_ids, attention_mask):
+        model = nnx.merge(graphdef, trainable, frozen)
+
+        def one(micro):
+            ids, mask = micro
+            return token_log_probs(model(ids, mask)[0], ids, temperature)[0]
+
+        out = jax.lax.map(one, micro_batches((input_ids, attention_mask), num_micro_batches))
+        return _merge_micro_batches(out)
+
+    return fn
+
+
+def make_value_fn(graphdef: nnx.GraphDef, num_micro_batches: int) -> Callable:
+    """``fn(trainable, frozen, input_ids, attention_mask) -> values [B, L − 1]`` of the critic."""
+    def fn(trainable, frozen, input_ids, attention_mask):
+        model = nnx.merge(graphdef, trainable, frozen)
+        out = jax.lax.map(lambda micro: model(*micro)[0][:, :-1],
+                          micro_batches((input_ids, attention_mask), num_micro_batches))
+        return _merge_micro_batches(out)
+
+    return fn
+
+
+def _merge_micro_batches(x: jax.Array) -> jax.Array:
+    """Inverse of ``micro_batches`` for one array."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])

@@ -1,0 +1,174 @@
+"""One token sequence per trajectory in RAGEN's chat layout, with its loss mask (spec §4, §7).
+
+A rollout keeps, per environment, a history of turns (state text, actions left,
+normalised response, reward text). ``render_chat`` turns it into chat messages
+exactly as RAGEN's ``ContextManager.get_lm_inputs``; the chat template of the
+tokenizer makes the text. ``loss_mask`` marks the trained positions from the
+token ids alone, so it runs on device for both rollout drivers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from envs.text import SYSTEM_PROMPT, turn_text
+
+
+@dataclasses.dataclass
+class Turn:
+    """One history entry: the state shown, the budget left, then the agent's response and reward.
+
+    The last entry of a finished rollout holds only the state after the final action.
+    """
+
+    state: str | None
+    actions_left: int
+    llm_response: str | None = None
+    reward: str | None = None
+
+
+def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, enable_think: bool = True,
+                for_update: bool = False, max_context_window: int = -1) -> list[dict[str, str]]:
+    """Chat messages of one trajectory (RAGEN ``get_lm_inputs``).
+
+    Args:
+      prefix: the first user message (``envs.text.env_prefix``).
+      history: the turns so far.
+      max_tokens: the "Max response length" announced in each state block.
+      enable_think: ``<think>…</think><answer>…</answer>`` format (else ``<answer>`` only).
+      for_update: training form: drop the final state-only entry and the last Reward message.
+      max_context_window: keep only the last k entries (numbering restarts at Turn 1); -1 keeps all.
+    """
+    entries = list(history)
+    if max_context_window > 0:
+        entries = entries[-max_context_window:]
+    if for_update and entries and entries[-1].llm_response is None:
+        entries = entries[:-1]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prefix}]
+    for index, turn in enumerate(entries):
+        messages[-1]["content"] += turn_text(index + 1, turn.state, turn.actions_left, max_tokens, enable_think)
+        if turn.llm_response is not None:
+            messages.append({"role": "assistant", "content": turn.llm_response})
+        if turn.reward is not None and not (for_update and index == len(entries) - 1):
+            messages.append({"role": "user", "content": turn.reward})
+    return messages
+
+
+def render_text(tokenizer: Any, messages: Sequence[dict[str, str]], *, for_update: bool,
+                enable_think: bool = True) -> str:
+    """The chat template applied; a generation prompt ends with the forced ``<think>`` (or ``<answer>``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; StarPO needs one")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=not for_update)
+    return text if for_update else text + ("<think>" if enable_think else "<answer>")
+
+
+class ChatTokens(NamedTuple):
+    """Token facts of a chat template that the masks need.
+
+    Attributes:
+      turn_start_id: the token that opens every message (``<|im_start|>``; Llama 3 ``<|start_header_id|>``).
+      turn_end_id: the token that closes every message (``<|im_end|>``; Llama 3 ``<|eot_id|>``).
+      assistant_header: tokens from ``turn_start_id`` through the end of the assistant header
+        (Qwen ``<|im_start|>assistant\\n`` = 3).
+    """
+
+    turn_start_id: int
+    turn_end_id: int
+    assistant_header: int
+
+
+def chat_tokens(tokenizer: Any) -> ChatTokens:
+    """Reads the turn markers and the assistant header length off the tokenizer's chat template."""
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    plain = tokenizer.apply_chat_template(probe, tokenize=False)
+    prompt = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    header = tokenizer.encode(prompt[len(plain):], add_special_tokens=False)
+    ends = tokenizer.encode(plain, add_special_tokens=False)
+    if not header or not prompt.startswith(plain):
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r}: chat template has no assistant generation prompt")
+    turn_start = header[0]
+    closing = [t for t in ends if t in set(tokenizer.all_special_ids) and t != turn_start]
+    if not closing:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r}: chat template closes messages with no special token")
+    return ChatTokens(turn_start, closing[-1], len(header))
+
+
+def turn_indicators(input_ids: jax.Array, turn_start_id: int) -> jax.Array:
+    """``cumsum(input_ids == turn_start)``: 1 = system, 2 = first user, 3 = assistant, 4 = user, … (§7)."""
+    return jnp.cumsum(input_ids == turn_start_id, axis=-1)
+
+
+LOSS_MASK_ALIGNMENTS = ("reference", "standard")
+
+
+def loss_mask(input_ids: jax.Array, attention_mask: jax.Array, chat: ChatTokens, *, enable_response_mask: bool = True,
+              alignment: str = "reference") -> jax.Array:
+    """Trained positions ``[B, L − 1]``; position j scores token j + 1 (§7, decisions 2 and 3).
+
+    ``reference``: RAGEN's mask of token j at position j — with ``enable_response_mask`` the
+    assistant segments from their turn-start token to the token before the next turn start,
+    else every token after the system message. ``standard``: exactly the assistant content
+    tokens and their turn-end token (the tokens after the assistant header), each at the
+    position that predicts it; without ``enable_response_mask`` every token after the system
+    message, each at the position that predicts it.
+    """
+    if alignment not in LOSS_MASK_ALIGNMENTS:
+        raise ValueError(f"mask_alignment must be one of {LOSS_MASK_ALIGNMENTS}, got {alignment!r}")
+    indicators = turn_indicators(input_ids, chat.turn_start_id)
+    real = attention_mask > 0
+    assistant = (indicators % 2 == 1) & (indicators > 1) & real
+    after_system = (indicators > 1) & real
+    if alignment == "reference":
+        mask = assistant if enable_response_mask else after_system
+        return mask[:, :-1].astype(jnp.float32)
+    starts = (input_ids == chat.turn_start_id) & real
+    start_positions = jax.lax.cummax(jnp.where(starts, jnp.arange(input_ids.shape[1]), -1), axis=1)
+    offset = jnp.arange(input_ids.shape[1]) - start_positions
+    ended_before = jnp.cumsum(input_ids == chat.turn_end_id, axis=1) - (input_ids == chat.turn_end_id)
+    ends_in_segment = ended_before - jax.lax.cummax(jnp.where(starts, ended_before, 0), axis=1)
+    content = (offset >= chat.assistant_header) & (ends_in_segment == 0)
+    mask = (assistant & content) if enable_response_mask else after_system
+    return mask[:, 1:].astype(jnp.float32)
+
+
+class Trajectory(NamedTuple):
+    """A batch of trajectories, left padded to one length L.
+
+    ``input_ids``, ``attention_mask``, ``position_ids``: ``[B, L]``; ``loss_mask``: ``[B, L − 1]``;
+    ``scores``: ``[B]`` summed rewards; ``penalty``: ``[B]`` accumulated format penalty;
+    ``group_ids``: ``[B]`` initial-state group; ``tag_ids``: ``[B]`` environment tag index.
+    """
+
+    input_ids: Any
+    attention_mask: Any
+    position_ids: Any
+    loss_mask: Any
+    scores: Any
+    penalty: Any
+    group_ids: Any
+    tag_ids: Any
+
+
+def position_ids(attention_mask: Any) -> Any:
+    """0-based positions of a left-padded batch: ``max(cumsum(mask) − 1, 0)`` (decision 14)."""
+    return np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int32)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and attention mask ``[B, L]`` with every row right-aligned."""
+    width = max(len(r) for r in rows) if length is None else length
+    if any(len(r) > width for r in rows):
+        raise ValueError(f"a trajectory of {max(len(r) for r in rows)} tokens exceeds max_model_len={width}")
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        if len(row):
+            ids[i, width - len(row):] = row
+            mask[i, width - len(row):] = 1
+    return ids, mask

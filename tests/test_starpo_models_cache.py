@@ -1,0 +1,78 @@
+"""The KV cache (appending left-padded segments equals one forward over their concatenation) and bf16 compute."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from starpo_jax.models.config import TransformerConfig
+from starpo_jax.models.kv_cache import init_cache, segment_positions
+from starpo_jax.models.transformer import CausalLM
+from starpo_hf_fixtures import numpy_initialised
+
+CONFIG = TransformerConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8, model_type="qwen3", qk_norm=True, attention_bias=False)
+
+
+@pytest.fixture(scope="module")
+def forward():
+    graphdef, params = numpy_initialised(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0)))
+    apply = jax.jit(lambda p, tokens, mask, cache: nnx.merge(graphdef, p)(tokens, mask, cache))
+    return lambda tokens, mask, cache=None: apply(params, tokens, mask, cache)
+
+
+def test_segment_positions_hand_worked():
+    mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 0, 1]])
+    np.testing.assert_array_equal(segment_positions(mask, jnp.array([0, 0, 0])), [[0, 0, 0, 1], [0, 1, 2, 3], [0, 0, 0, 1]])
+    np.testing.assert_array_equal(segment_positions(mask, jnp.array([5, 2, 1])), [[4, 4, 5, 6], [2, 3, 4, 5], [0, 1, 1, 2]])
+
+
+def test_three_appended_segments_equal_one_forward(forward):
+    rng = np.random.default_rng(0)
+    row_lengths = [[4, 2, 3], [1, 4, 2], [3, 3, 0]]  # segment s, row b
+    segments = []
+    for lengths in row_lengths:
+        tokens = rng.integers(1, CONFIG.vocab_size, (3, 4)).astype(np.int32)
+        mask = np.zeros((3, 4), np.int32)
+        for row, n in enumerate(lengths):
+            mask[row, 4 - n:] = 1
+        segments.append((tokens, mask))
+    cache = init_cache(CONFIG, 3, 16)
+    cached = []
+    for tokens, mask in segments:
+        logits, cache = forward(tokens, mask, cache)
+        cached.append(np.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [8, 9, 5])
+
+    width = 9
+    full_tokens = np.zeros((3, width), np.int32)
+    full_mask = np.zeros((3, width), np.int32)
+    expected = [[] for _ in range(3)]
+    for row in range(3):
+        valid = np.concatenate([t[row][m[row].astype(bool)] for t, m in segments])
+        full_tokens[row, width - len(valid):] = valid
+        full_mask[row, width - len(valid):] = 1
+        for s, (_, m) in enumerate(segments):
+            expected[row].extend(cached[s][row][m[row].astype(bool)])
+    full_logits, _ = forward(full_tokens, full_mask)
+    full_logits = np.asarray(full_logits)
+    for row in range(3):
+        got = full_logits[row][full_mask[row].astype(bool)]
+        np.testing.assert_allclose(np.stack(expected[row]), got, atol=1e-5, rtol=0)
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    """bf16 activations (fp32 parameters): logits within a few bf16 ulps of the fp32 ones."""
+    graphdef32, params = numpy_initialised(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0)))
+    bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
+    graphdef16, _ = numpy_initialised(lambda: CausalLM(bf16, rngs=nnx.Rngs(0)))
+    tokens = np.arange(1, 13, dtype=np.int32).reshape(2, 6)
+    mask = np.ones_like(tokens)
+    run = jax.jit(lambda g, p: nnx.merge(g, p)(tokens, mask)[0], static_argnums=0)
+    exact, approx = np.asarray(run(graphdef32, params)), np.asarray(run(graphdef16, params))
+    assert approx.dtype == np.float32
+    scale = np.abs(exact).max()
+    assert 0 < np.abs(approx - exact).max() < 0.05 * scale

@@ -90,12 +90,12 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class ProgressBar:
-    """A progress bar with the latest metrics, shown on process 0 only.
+    """A progress bar with the latest metrics, shown on process 0 only (``total=None``: unknown length).
 
     Use as a context manager: ``with ProgressBar(total, "train") as bar: bar.update(step, metrics)``.
     """
 
-    def __init__(self, total: int, description: str = "", *, keys: tuple[str, ...] = (), start: int = 0):
+    def __init__(self, total: int | None, description: str = "", *, keys: tuple[str, ...] = (), start: int = 0):
         self.keys = keys
         self._progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -24,8 +24,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 from PIL import Image
-from rich.progress import track
 
+from runtime.metrics import ProgressBar
 from tdd_jax.distill import DistillBatch
 from tdd_jax.sampler import Conditioning
 
@@ -192,15 +192,17 @@ def build_cache(examples: Iterable[ImageCaption], encode_images: ImageEncoder, e
     count = 0
     batches = _batched(examples, batch_size)
     total_batches = None if total is None else -(-total // batch_size)
-    for index, batch in enumerate(track(batches, description="caching latents", total=total_batches)):
-        crops = [preprocess(ex.image, resolution, rng, random_flip, use_fix_crop_and_size) for ex in batch]
-        latents = np.asarray(encode_images(np.stack([c.pixels for c in crops])), np.float32)
-        cond = encode_text([ex.caption for ex in batch])
-        arrays = {"latents": latents, "context": np.asarray(cond.context),
-                  "time_ids": np.stack([c.time_ids for c in crops])}
-        arrays.update({f"added.{k}": np.asarray(v) for k, v in (cond.added or {}).items()})
-        np.savez(os.path.join(out_dir, f"shard_{index:05d}.npz"), **arrays)
-        count += len(batch)
+    with ProgressBar(total_batches, "caching latents") as bar:
+        for index, batch in enumerate(batches):
+            crops = [preprocess(ex.image, resolution, rng, random_flip, use_fix_crop_and_size) for ex in batch]
+            latents = np.asarray(encode_images(np.stack([c.pixels for c in crops])), np.float32)
+            cond = encode_text([ex.caption for ex in batch])
+            arrays = {"latents": latents, "context": np.asarray(cond.context),
+                      "time_ids": np.stack([c.time_ids for c in crops])}
+            arrays.update({f"added.{k}": np.asarray(v) for k, v in (cond.added or {}).items()})
+            np.savez(os.path.join(out_dir, f"shard_{index:05d}.npz"), **arrays)
+            count += len(batch)
+            bar.update(index + 1)
     empty = encode_text([""])
     np.savez(os.path.join(out_dir, EMPTY_PROMPT_FILE), context=np.asarray(empty.context),
              **{f"added.{k}": np.asarray(v) for k, v in (empty.added or {}).items()})

@@ -22,30 +22,25 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import envs
 from runtime.checkpoint import Checkpointer
 from runtime.distributed import initialize
-from runtime.mesh import MeshConfig, batch_sharding, make_mesh
+from runtime.mesh import MeshConfig, make_mesh
 from runtime.metrics import MetricWriter, ProgressBar
 from runtime.preemption import PreemptionHandler
-from runtime.sharding import shardings_of
-from runtime.train_state import compile_step, init_train_state
 from starpo_jax.config import EnvGroupsConfig, StarPOConfig
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
-from starpo_jax.iteration import Learner, update
+from starpo_jax.iteration import build_learner, num_micro_batches, update
 from starpo_jax.models.hf_io import load_pretrained, save_pretrained
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.presets import PRESETS, load_config
 from starpo_jax.rollout import RolloutSettings, host_rollout
 from starpo_jax.sampler import SamplerConfig, make_sampler
-from starpo_jax.steps import (make_actor_step, make_critic_step, make_log_prob_fn, make_optimizer, make_value_fn,
-                              split_trainable)
 from starpo_jax.tokenizer import load_tokenizer
 
 
@@ -103,38 +98,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     out = Path(args.out)
     tokenizer = load_tokenizer(config.model_path)
     lora = LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha)) if config.lora.rank else None
-    actor_cfg, critic_cfg = config.actor_rollout_ref.actor, config.critic
-    data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-    global_micro = config.micro_batch_size_per_gpu * data_parallel
-    if config.ppo_mini_batch_size % global_micro:
-        raise ValueError(f"ppo_mini_batch_size={config.ppo_mini_batch_size} must be a multiple of "
-                         f"micro_batch_size_per_gpu={config.micro_batch_size_per_gpu} x {data_parallel} "
-                         f"data-parallel devices (mesh data x fsdp)")
-    micro = config.ppo_mini_batch_size // global_micro
+    micro = num_micro_batches(config, mesh)
     rollout_cfg = config.actor_rollout_ref.rollout
     train_tags = config.es_manager.train.env_configs.tags
     with jax.set_mesh(mesh):
         policy = load_pretrained(config.model_path, mesh, lora=lora, seed=config.seed.train)
-        graphdef, trainable, frozen = split_trainable(policy, lora is not None)
-        actor_tx = make_optimizer(actor_cfg.optim, actor_cfg.grad_clip)
-        actor = init_train_state(trainable, actor_tx, jax.random.key(config.seed.train), mesh)
-        reference = None
-        if config.needs_ref_log_prob:
-            reference = jax.tree.map(jnp.zeros_like if lora else jnp.copy, trainable)
-        critic, critic_graphdef, critic_frozen, critic_step, value_fn = None, None, None, None, None
+        critic_model = None
         if config.use_critic:
             critic_model = load_pretrained(config.model_path, mesh, critic=True, lora=lora, seed=config.seed.train)
-            critic_graphdef, critic_trainable, critic_frozen = split_trainable(critic_model, lora is not None)
-            critic_tx = make_optimizer(critic_cfg.optim, critic_cfg.grad_clip)
-            critic = init_train_state(critic_trainable, critic_tx, jax.random.key(config.seed.train + 1), mesh)
-            critic_step = compile_step(make_critic_step(critic_graphdef, critic_tx, critic_cfg, micro), critic,
-                                       shardings_of(critic_frozen), batch_sharding(mesh, 2))
-            value_fn = jax.jit(make_value_fn(critic_graphdef, micro))
-        learner = Learner(
-            actor_step=compile_step(make_actor_step(graphdef, actor_tx, actor_cfg, micro, rollout_cfg.temperature),
-                                    actor, shardings_of(frozen), batch_sharding(mesh, 2)),
-            critic_step=critic_step, log_probs=jax.jit(make_log_prob_fn(graphdef, micro, rollout_cfg.temperature)),
-            values=value_fn, actor_frozen=frozen, critic_frozen=critic_frozen, reference=reference)
+        learner, actor, critic, graphdef = build_learner(config, policy, critic_model, mesh, micro)
+        frozen = learner.actor_frozen
         stop = (tokenizer.eos_token_id,)
         top_k = max(rollout_cfg.top_k, 0)
         train_sampler = make_sampler(graphdef, SamplerConfig(rollout_cfg.response_length, rollout_cfg.temperature,

@@ -14,15 +14,19 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
 from runtime.mesh import batch_sharding
-from runtime.train_state import TrainState
+from runtime.sharding import shardings_of
+from runtime.train_state import TrainState, compile_step, init_train_state
 from starpo_jax.advantages import apply_kl_penalty, compute_advantage
 from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import filter_groups_by_reward_std
 from starpo_jax.masked import masked_mean
 from starpo_jax.scores import normalization_group_ids, normalize_scores, place_scores_on_last_token
-from starpo_jax.steps import CriticBatch, PolicyBatch
+from starpo_jax.steps import (CriticBatch, PolicyBatch, make_actor_step, make_critic_step, make_log_prob_fn,
+                              make_optimizer, make_value_fn, split_trainable)
 from starpo_jax.trajectory import Trajectory
 
 
@@ -42,6 +46,48 @@ class Learner(NamedTuple):
     actor_frozen: Any
     critic_frozen: Any
     reference: Any
+
+
+def num_micro_batches(config: StarPOConfig, mesh: Mesh) -> int:
+    """Micro-batches per mini-batch: ``micro_batch_size_per_gpu`` rows on each data-parallel device."""
+    data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = config.micro_batch_size_per_gpu * data_parallel
+    if config.ppo_mini_batch_size % rows:
+        raise ValueError(f"ppo_mini_batch_size={config.ppo_mini_batch_size} must be a multiple of "
+                         f"micro_batch_size_per_gpu={config.micro_batch_size_per_gpu} x {data_parallel} "
+                         f"data-parallel devices (mesh data x fsdp)")
+    return config.ppo_mini_batch_size // rows
+
+
+def build_learner(config: StarPOConfig, policy: nnx.Module, critic: nnx.Module | None, mesh: Mesh,
+                  micro_batches: int) -> tuple[Learner, TrainState, TrainState | None, nnx.GraphDef]:
+    """Optimisers, train states and compiled steps for a placed policy (and critic, for GAE).
+
+    Returns the learner, the actor and critic states, and the policy's graph definition
+    (for the sampler). Only LoRA adapters train when ``config.lora.rank > 0``.
+    """
+    lora = config.lora.rank > 0
+    actor_cfg, critic_cfg = config.actor_rollout_ref.actor, config.critic
+    temperature = config.actor_rollout_ref.rollout.temperature
+    rows = batch_sharding(mesh, 2)
+    graphdef, trainable, frozen = split_trainable(policy, lora)
+    reference = jax.tree.map(jnp.zeros_like if lora else jnp.copy, trainable) if config.needs_ref_log_prob else None
+    actor_tx = make_optimizer(actor_cfg.optim, actor_cfg.grad_clip)
+    actor = init_train_state(trainable, actor_tx, jax.random.key(config.seed.train), mesh)
+    critic_state = critic_step = values = critic_frozen = None
+    if critic is not None:
+        critic_graphdef, critic_trainable, critic_frozen = split_trainable(critic, lora)
+        critic_tx = make_optimizer(critic_cfg.optim, critic_cfg.grad_clip)
+        critic_state = init_train_state(critic_trainable, critic_tx, jax.random.key(config.seed.train + 1), mesh)
+        critic_step = compile_step(make_critic_step(critic_graphdef, critic_tx, critic_cfg, micro_batches),
+                                   critic_state, shardings_of(critic_frozen), rows)
+        values = jax.jit(make_value_fn(critic_graphdef, micro_batches))
+    learner = Learner(
+        actor_step=compile_step(make_actor_step(graphdef, actor_tx, actor_cfg, micro_batches, temperature), actor,
+                                shardings_of(frozen), rows),
+        critic_step=critic_step, log_probs=jax.jit(make_log_prob_fn(graphdef, micro_batches, temperature)),
+        values=values, actor_frozen=frozen, critic_frozen=critic_frozen, reference=reference)
+    return learner, actor, critic_state, graphdef
 
 
 def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tuple[Trajectory, jax.Array, dict]:

@@ -15,7 +15,6 @@ import warnings
 
 import gymnasium
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import envs

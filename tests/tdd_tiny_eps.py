@@ -1,7 +1,7 @@
 """A tiny but real NNX ε-network with LoRA conv adapters, following ``tdd_jax.sampler.EpsModel``.
 
-Used by the TDD sampler and distillation tests until the real UNet lands; it has the pieces those
-steps touch: a sinusoidal timestep embedding, cross-conditioning on a context sequence and SDXL-style
+Used by the TDD sampler and distillation tests because it compiles far faster than the real UNet;
+it has the pieces those steps touch: a sinusoidal timestep embedding, cross-conditioning on a context sequence and SDXL-style
 pooled ``text_embeds``, logical axis names for sharding, and LoRA variables (``nnx.LoRAParam``)
 skipped at ``lora_scale=0`` like the real UNet's.
 """
@@ -9,20 +9,10 @@ skipped at ``lora_scale=0`` like the real UNet's.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from runtime.mesh import LOGICAL_AXIS_RULES
 from runtime.sharding import shard_state
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_compile():
-    """Skips most XLA optimisations for the importing test module: its tests are compile-bound on a
-    2-core CPU (about 3x faster) and compare values at float32 tolerances, which this does not affect."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 CONV_AXES = ("conv_kernel", "conv_kernel", "conv_in", "conv_out")

@@ -1,7 +1,6 @@
 """The locally trained chat tokenizer round-trips text and renders Qwen's ChatML layout."""
 
 import pytest
-from transformers import AutoTokenizer
 
 from starpo_jax.chat_tokenizer import train_chat_tokenizer
 

@@ -16,7 +16,6 @@ from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.transformer import CausalLM
 from starpo_jax.rollout import RolloutSettings, host_rollout
 from starpo_jax.sampler import SamplerConfig, make_sampler
-from starpo_jax.trajectory import chat_tokens, loss_mask
 
 
 def bandit_slot(seed=0):

@@ -1,7 +1,5 @@
 """Actor and critic steps: sharded equals single-device, micro-batching, skip on NaN, LoRA-only updates."""
 
-import dataclasses
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from runtime.mesh import MeshConfig, batch_sharding, make_mesh, replicated
+from runtime.mesh import MeshConfig, batch_sharding, make_mesh
 from runtime.sharding import create_sharded, shard_batch, shardings_of
 from runtime.train_state import compile_step, init_train_state
 from starpo_jax.config import ActorConfig, CriticConfig, OptimConfig

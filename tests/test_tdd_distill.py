@@ -17,7 +17,7 @@ from tdd_jax.distill import (DistillBatch, DistillConfig, DistillSample, Uncondi
                              pseudo_huber_loss, split_model, teacher_ddim_step, unconditional_embedding)
 from tdd_jax.sampler import Conditioning, module_eps_fn, replace_conditioning
 from tdd_jax.targets import make_selector
-from tdd_tiny_eps import build_tiny_eps_net, fast_compile  # noqa: F401  (autouse fixture)
+from tdd_tiny_eps import build_tiny_eps_net
 
 ABAR = sch.alphas_cumprod_from_config({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012})
 A64 = np.asarray(ABAR, np.float64)

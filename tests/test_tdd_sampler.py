@@ -8,7 +8,7 @@ import pytest
 from tdd_jax import schedules as sch
 from tdd_jax.sampler import (Conditioning, classifier_free_guidance, dynamic_threshold, guided_eps,
                              make_sampling_plan, module_eps_fn, tdd_sample)
-from tdd_tiny_eps import build_tiny_eps_net, fast_compile  # noqa: F401  (autouse fixture)
+from tdd_tiny_eps import build_tiny_eps_net
 
 ABAR = sch.alphas_cumprod_from_config({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012})
 A64 = np.asarray(ABAR, np.float64)

@@ -7,7 +7,6 @@ import pytest
 
 from tdd_jax import schedules as sch
 from tdd_jax.targets import make_selector, select_target_timestep
-from tdd_tiny_eps import fast_compile  # noqa: F401  (autouse fixture)
 
 MERGED = np.array([0, 127, 143, 167, 199, 251, 287, 335, 375, 399, 431, 499, 571, 599, 627, 667, 715, 751, 799,
                    835, 859, 875])

@@ -14,6 +14,7 @@ COUNTDOWN_INSTRUCTION = (
     "7 - 3 = 4. So the answer is 2 + 5 - 3 = 4. </think><answer>2 + 5 - 3</answer>"
 )
 _TOKEN = re.compile(r"[ \t]*(?:([0-9]+)|(.))", re.DOTALL)
+MAX_NESTING = 100  # parentheses and unary signs; Python's own parser stops at 200 nested parentheses
 
 
 class ExpressionError(ValueError):
@@ -40,10 +41,12 @@ def evaluate(text: str):
 
     Grammar (Python's, restricted): ``expr := term (('+'|'-') term)*``,
     ``term := factor (('*'|'/') factor)*``, ``factor := ('+'|'-') factor | integer | '(' expr ')'``.
-    Raises ExpressionError on anything else, ZeroDivisionError or OverflowError like Python would.
+    Raises ExpressionError on anything else (also on nesting deeper than ``MAX_NESTING`` and on
+    integers longer than Python converts), ZeroDivisionError or OverflowError like Python would.
     """
     tokens = _tokenize(text)
     position = 0
+    depth = 0
 
     def peek():
         return tokens[position] if position < len(tokens) else None
@@ -65,21 +68,34 @@ def evaluate(text: str):
             value = value * factor() if take() == "*" else value / factor()
         return value
 
+    def nested(inner):
+        nonlocal depth
+        depth += 1
+        if depth > MAX_NESTING:
+            raise ExpressionError(f"nested deeper than {MAX_NESTING} levels")
+        value = inner()
+        depth -= 1
+        return value
+
     def factor():
         token = peek()
         if token in ("+", "-"):
             take()
-            return factor() if token == "+" else -factor()
+            value = nested(factor)
+            return value if token == "+" else -value
         if token == "(":
             take()
-            value = expr()
+            value = nested(expr)
             if peek() != ")":
                 raise ExpressionError("unbalanced parenthesis")
             take()
             return value
         if token is None or not token[0].isdigit():
             raise ExpressionError(f"expected a number, got {token!r}")
-        return int(take())
+        try:
+            return int(take())
+        except ValueError as error:  # more digits than sys.get_int_max_str_digits()
+            raise ExpressionError(str(error)) from None
 
     value = expr()
     if position != len(tokens):
@@ -88,8 +104,15 @@ def evaluate(text: str):
 
 
 def check_format(equation: str, nums) -> bool:
-    """RAGEN's format check: the integers in the equation are exactly ``nums`` (as a multiset)."""
-    return sorted(int(n) for n in re.findall(r"\d+", equation)) == sorted(nums)
+    """RAGEN's format check: the integers in the equation are exactly ``nums`` (as a multiset).
+
+    An integer too long for Python to convert cannot be one of ``nums``: the format is wrong.
+    """
+    try:
+        used = sorted(int(n) for n in re.findall(r"\d+", equation))
+    except ValueError:
+        return False
+    return used == sorted(nums)
 
 
 def check_correctness(equation: str, target) -> bool:

@@ -39,15 +39,18 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Stops a run after ``max_consecutive`` consecutive skipped steps."""
+    """Stops a run after ``max_consecutive`` consecutive skipped steps.
 
-    def __init__(self, max_consecutive: int = 5):
+    ``keys``: the metrics holding consecutive-skip counters (e.g. one per optimizer); the largest counts.
+    """
+
+    def __init__(self, max_consecutive: int = 5, keys: tuple[str, ...] = ("numerics/consecutive_non_finite",)):
         if max_consecutive < 1:
             raise ValueError(f"max_consecutive_non_finite must be >= 1, got {max_consecutive}")
-        self.max_consecutive = max_consecutive
+        self.max_consecutive, self.keys = max_consecutive, keys
 
     def check(self, step: int, metrics: Mapping[str, float]) -> None:
-        consecutive = int(metrics["numerics/consecutive_non_finite"])
+        consecutive = max(int(metrics[key]) for key in self.keys if key in metrics)
         if consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"{consecutive} consecutive steps up to step {step} had non-finite gradients "
@@ -64,6 +67,16 @@ class SpikeDetector:
         self.factor = factor
         self.min_history = min_history
         self._history: collections.deque[float] = collections.deque(maxlen=window)
+
+    @property
+    def history(self) -> list[float]:
+        """The finite values the median is taken over, oldest first (to save with a checkpoint)."""
+        return list(self._history)
+
+    def restore(self, history: list[float]) -> None:
+        """Replaces the history with values saved from ``history``."""
+        self._history.clear()
+        self._history.extend(history)
 
     def update(self, value: float) -> bool:
         spike = (len(self._history) >= self.min_history and math.isfinite(value)

@@ -52,6 +52,14 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
 
+    @classmethod
+    def parse(cls, text: str, flag: str = "--mesh") -> "MeshConfig":
+        """``"data,fsdp,tensor"`` from a command line, e.g. ``"1,-1,1"``."""
+        parts = text.split(",")
+        if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise ValueError(f"{flag} must be three integers data,fsdp,tensor (one may be -1), got {text!r}")
+        return cls(*(int(p) for p in parts))
+
     def shape(self, num_devices: int) -> tuple[int, int, int]:
         """Resolves the -1 entry and checks that the shape uses exactly ``num_devices``."""
         sizes = dict(data=self.data, fsdp=self.fsdp, tensor=self.tensor)

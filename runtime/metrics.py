@@ -62,6 +62,19 @@ class MetricWriter:
                 self._tb.add_scalar(name, value, global_step=int(step))
         return scalars
 
+    def discard_after(self, step: int) -> None:
+        """Drops the ``metrics.jsonl`` rows of steps after ``step``: a run resumed from checkpoint
+        ``step`` writes them again (TensorBoard shows the latest value of a step anyway)."""
+        if self._jsonl is None:
+            return
+        path = self._jsonl.name
+        self._jsonl.close()
+        rows = [row for row in read_jsonl(path) if row["step"] <= step]
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        os.replace(path + ".tmp", path)
+        self._jsonl = open(path, "a", encoding="utf-8")
+
     def flush(self) -> None:
         if self._jsonl is not None:
             self._jsonl.flush()

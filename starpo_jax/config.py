@@ -154,6 +154,7 @@ class TrainerConfig:
     n_gpus_per_node: int = 1
     balance_batch: bool = True
     critic_warmup: int = 0
+    max_consecutive_non_finite: int = 5  # stop (after saving) when this many updates in a row were skipped
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ class AgentProxyConfig:
     use_turn_scores: bool = False
     enable_think: bool = True
     reward_normalization: RewardNormalizationConfig = RewardNormalizationConfig()
+    rollout_driver: Literal["host", "fused"] = "host"  # fused: starpo_jax.fused_rollout (JAX envs, sampled ids)
 
 
 @dataclass(frozen=True)
@@ -360,11 +362,19 @@ def _validate_rollout(config: StarPOConfig) -> None:
     _require(proxy.max_actions_per_turn >= 1, "agent_proxy.max_actions_per_turn must be >= 1")
     _require(proxy.max_context_window == -1 or proxy.max_context_window >= 1,
              f"agent_proxy.max_context_window must be -1 or >= 1, got {proxy.max_context_window}")
+    if proxy.rollout_driver == "fused":
+        tags = config.es_manager.train.env_configs.tags + config.es_manager.val.env_configs.tags
+        _require("Countdown" not in tags, f"agent_proxy.rollout_driver=fused steps JAX environments on device; "
+                                          f"Countdown is host-only (tags {tags}): use agent_proxy.rollout_driver=host")
+        _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True "
+                                              "(it trains on the ids the decoder saw, decision 10)")
 
 
 def validate(config: StarPOConfig) -> StarPOConfig:
     """Checks every field's type and the cross-field rules of RAGEN's ``train.py``; returns ``config``."""
     _check_types(config)
+    _require(config.trainer.max_consecutive_non_finite >= 1, f"trainer.max_consecutive_non_finite must be >= 1, "
+                                                             f"got {config.trainer.max_consecutive_non_finite}")
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
     _validate_batches(config)

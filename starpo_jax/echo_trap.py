@@ -7,7 +7,7 @@ does not detect it in code; this monitor turns both into warnings in the log.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from runtime.guards import SpikeDetector
 
@@ -27,6 +27,14 @@ class EchoTrapMonitor:
         self._spikes = SpikeDetector(window=window, factor=spike_factor, min_history=warmup)
         self._max_std = 0.0
         self._seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's history as JSON, saved in a checkpoint's loop state so a resumed run warns alike."""
+        return {"seen": self._seen, "max_std": self._max_std, "grad_norms": self._spikes.history}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._seen, self._max_std = state["seen"], state["max_std"]
+        self._spikes.restore(state["grad_norms"])
 
     def update(self, step: int, metrics: Mapping[str, float]) -> list[str]:
         warnings = []

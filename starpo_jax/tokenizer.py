@@ -18,12 +18,19 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(resolve_folder(name_or_path), padding_side="left")
 
 
+def require_chat_template(tokenizer: Any) -> Any:
+    """Returns ``tokenizer``; raises naming it when it has no chat template (a base model's tokenizer)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template (chat_template in "
+                         f"tokenizer_config.json or chat_template.jinja): use an instruct/chat model's tokenizer")
+    return tokenizer
+
+
 def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
                 suffix: str = "") -> str:
     """The chat template applied to ``messages`` (Qwen ChatML, Llama 3, ...), then ``suffix`` (e.g. ``<think>``)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = require_chat_template(tokenizer).apply_chat_template(list(messages), tokenize=False,
+                                                                add_generation_prompt=add_generation_prompt)
     return text + suffix
 
 

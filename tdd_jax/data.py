@@ -5,7 +5,9 @@ Sources are a folder of ``name.{jpg,jpeg,png,webp}`` files with ``name.txt`` cap
 the reference's ``dataset.py`` (spec §4 step 1): bilinear resize of the shorter side to the
 resolution, optional horizontal flip, random crop, scaling to [−1, 1]; ``orig_size`` is the size
 after resizing, and with ``use_fix_crop_and_size`` the reported crop is (0, 0) though the crop
-itself stays random. Undecodable captions become "".
+itself stays random. Undecodable caption bytes become "" (the reference's fallback); an image that does
+not decode, or a caption that is not text (a JSON ``caption`` that is no string), is an error naming the
+file or shard member.
 
 ``build_cache`` runs the encoders once over the data (with a progress bar) and writes ``.npz``
 shards; ``load_cache`` and ``cache_batches`` feed ``tdd_jax.distill.DistillBatch``es from them.
@@ -56,6 +58,15 @@ def decode_caption(raw: bytes) -> str:
         return ""
 
 
+def decode_image(source: str | io.BytesIO, name: str) -> Image.Image:
+    """An RGB image from a file or bytes; raises naming ``name`` when it is not a readable image."""
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as error:  # UnidentifiedImageError is an OSError
+        raise ValueError(f"image {name} could not be decoded: {error}") from None
+
+
 def iter_folder(folder: str | os.PathLike) -> Iterator[ImageCaption]:
     """Image files of ``folder`` in name order, each with the caption of its ``.txt`` sibling (or "")."""
     folder = os.fspath(folder)
@@ -70,15 +81,20 @@ def iter_folder(folder: str | os.PathLike) -> Iterator[ImageCaption]:
         if os.path.isfile(caption_path):
             with open(caption_path, "rb") as f:
                 caption = decode_caption(f.read())
-        yield ImageCaption(stem, Image.open(os.path.join(folder, name)).convert("RGB"), caption)
+        yield ImageCaption(stem, decode_image(os.path.join(folder, name), os.path.join(folder, name)), caption)
 
 
-def _caption_from_member(ext: str, raw: bytes) -> str:
+def _caption_from_member(ext: str, raw: bytes, name: str) -> str:
     if ext == ".json":
         try:
-            return str(json.loads(raw).get("caption", ""))
+            meta = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError):
             return ""
+        caption = meta.get("caption", "") if isinstance(meta, dict) else None
+        if not isinstance(caption, str):
+            raise ValueError(f"{name}: the caption must be text (a JSON object with a string 'caption'), "
+                             f"got {raw[:80]!r}")
+        return caption
     return decode_caption(raw)
 
 
@@ -96,8 +112,9 @@ def iter_webdataset(shards: Sequence[str | os.PathLike]) -> Iterator[ImageCaptio
             if image_ext is None:
                 continue
             caption_ext = ".txt" if ".txt" in files else ".json" if ".json" in files else None
-            caption = _caption_from_member(caption_ext, files[caption_ext]) if caption_ext else ""
-            yield ImageCaption(key, Image.open(io.BytesIO(files[image_ext])).convert("RGB"), caption)
+            caption = _caption_from_member(caption_ext, files[caption_ext], f"{shard}:{key}{caption_ext}") \
+                if caption_ext else ""
+            yield ImageCaption(key, decode_image(io.BytesIO(files[image_ext]), f"{shard}:{key}{image_ext}"), caption)
 
 
 def iter_source(path: str | os.PathLike) -> Iterator[ImageCaption]:
@@ -194,6 +211,9 @@ def build_cache(examples: Iterable[ImageCaption], encode_images: ImageEncoder, e
     total_batches = None if total is None else -(-total // batch_size)
     with ProgressBar(total_batches, "caching latents") as bar:
         for index, batch in enumerate(batches):
+            for ex in batch:
+                if not isinstance(ex.caption, str):
+                    raise TypeError(f"example {ex.key!r}: the caption must be str, got {type(ex.caption).__name__}")
             crops = [preprocess(ex.image, resolution, rng, random_flip, use_fix_crop_and_size) for ex in batch]
             latents = np.asarray(encode_images(np.stack([c.pixels for c in crops])), np.float32)
             cond = encode_text([ex.caption for ex in batch])
@@ -231,13 +251,21 @@ def load_cache(cache_dir: str | os.PathLike) -> tuple[DistillBatch, Conditioning
     return DistillBatch(arrays["latents"], _conditioning(arrays, arrays["time_ids"])), _conditioning(empty, None)
 
 
-def cache_batches(data: DistillBatch, batch_size: int, seed: int = 0) -> Iterator[DistillBatch]:
-    """Endless shuffled batches (a fresh permutation each epoch; the last partial batch is dropped)."""
+def cache_batches(data: DistillBatch, batch_size: int, seed: int = 0, start: int = 0) -> Iterator[DistillBatch]:
+    """Endless shuffled batches (a fresh permutation each epoch; the last partial batch is dropped).
+
+    ``start`` skips that many batches without materialising them, so a resumed run continues the stream.
+    """
     n = data.latents.shape[0]
     if not 1 <= batch_size <= n:
         raise ValueError(f"batch_size must be in [1, {n}] for a cache of {n} examples, got {batch_size}")
     rng = np.random.default_rng(seed)
+    per_epoch = n // batch_size
+    for _ in range(start // per_epoch):
+        rng.permutation(n)
+    skip = start % per_epoch
     while True:
         order = rng.permutation(n)
-        for start in range(0, n - batch_size + 1, batch_size):
-            yield jax.tree.map(lambda x: x[order[start:start + batch_size]], data)
+        for index in range(skip, per_epoch):
+            yield jax.tree.map(lambda x: x[order[index * batch_size:(index + 1) * batch_size]], data)
+        skip = 0

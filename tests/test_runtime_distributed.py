@@ -60,13 +60,18 @@ def run_workers(num_processes: int, devices_per_process: int, out: str) -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(num_processes), str(port), out],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(num_processes)]
+    run_processes([([sys.executable, WORKER, str(i), str(num_processes), str(port), out], env)
+                   for i in range(num_processes)], timeout=180)
+
+
+def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[str]:
+    """Starts every ``(argv, environment)`` at once, waits for all, asserts each exited 0; their outputs."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for argv, env in commands]
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=180)[0])
+            outputs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -74,6 +79,7 @@ def run_workers(num_processes: int, devices_per_process: int, out: str) -> None:
                 p.wait()
     for p, output in zip(procs, outputs):
         assert p.returncode == 0, output[-3000:]
+    return outputs
 
 
 def test_two_processes_on_loopback_equal_one_process(tmp_path):

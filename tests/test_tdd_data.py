@@ -9,6 +9,7 @@ from PIL import Image
 
 from tdd_jax.data import (build_cache, cache_batches, iter_folder, iter_source, latents_to_png, load_cache,
                           preprocess, to_uint8)
+from tdd_jax.distill import DistillBatch
 from tdd_jax.sampler import Conditioning
 
 
@@ -104,3 +105,13 @@ def test_png_grid_round_trip(tmp_path):
     np.testing.assert_array_equal(grid[4:8, 5:10], 0)
     with pytest.raises(ValueError, match="channels"):
         latents_to_png(lambda z: z, np.zeros((1, 2, 2, 4)), tmp_path / "bad.png")
+
+
+def test_cache_batches_started_at_a_position_continue_the_same_stream():
+    data = DistillBatch(np.arange(5, dtype=np.float32)[:, None], Conditioning(np.arange(5, dtype=np.float32)[:, None]))
+    stream = cache_batches(data, batch_size=2, seed=3)  # 2 batches per epoch, one example dropped
+    expected = [next(stream).latents[:, 0] for _ in range(7)]
+    for start in (1, 2, 5):
+        resumed = cache_batches(data, batch_size=2, seed=3, start=start)
+        for batch in expected[start:]:
+            np.testing.assert_array_equal(next(resumed).latents[:, 0], batch)

@@ -39,7 +39,7 @@ class RolloutSettings:
     bucket: int = 32
 
 
-def _continuation(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
+def turn_continuation(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
     """The prompt text after the last response's turn-end token: Reward, next Turn, generation prompt."""
     messages = render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
                            enable_think=settings.enable_think)
@@ -48,14 +48,15 @@ def _continuation(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
     return full[through.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
 
 
-def _training_tail(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
+def training_tail(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
     """What the training text has after the final response's turn-end token (Qwen: ``"\\n"``)."""
     text = render_text(tokenizer, render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
                                               enable_think=settings.enable_think, for_update=True), for_update=True)
     return text[text.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
 
 
-def _bucketed(rows: Sequence[Sequence[int]], pad_id: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+def bucketed(rows: Sequence[Sequence[int]], pad_id: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads ``rows`` to the next multiple of ``bucket`` (fewer distinct compiled shapes)."""
     width = -(-max(1, max(len(r) for r in rows)) // bucket) * bucket
     return left_pad(rows, pad_id, width)
 
@@ -91,10 +92,10 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
                     for_update=False, enable_think=settings.enable_think), add_special_tokens=False))
             else:
                 rows.append(([] if ended[i] else [eos])
-                            + tokenizer.encode(_continuation(tokenizer, slot, settings), add_special_tokens=False))
+                            + tokenizer.encode(turn_continuation(tokenizer, slot, settings), add_special_tokens=False))
         if max(len(f) + len(r) for f, r in zip(fed, rows)) > settings.max_model_len:
             raise ValueError(f"a prompt of turn {turn + 1} exceeds max_model_len={settings.max_model_len} tokens")
-        tokens, mask = _bucketed(rows, pad, settings.bucket)
+        tokens, mask = bucketed(rows, pad, settings.bucket)
         out = sample(params, tokens, mask, cache, jax.random.fold_in(key, turn), active)
         cache = out.cache
         generated, lengths = jax.device_get((out.tokens, out.lengths))
@@ -106,14 +107,33 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
                                     settings.enable_think, settings.max_actions_per_turn)
             run_turn(slots[i], parsed.llm_response, parsed.actions, settings.format_penalty)
     if settings.train_on_sampled_ids:
-        sequences = [f + ([] if e else [eos]) + tokenizer.encode(_training_tail(tokenizer, s, settings),
+        sequences = [f + ([] if e else [eos]) + tokenizer.encode(training_tail(tokenizer, s, settings),
                                                                  add_special_tokens=False)
                      for f, e, s in zip(fed, ended, slots)]
-    else:
+        return pack_trajectory(tokenizer, slots, settings, sequences)
+    return pack_trajectory(tokenizer, slots, settings)
+
+
+def pack_trajectory(tokenizer: Any, slots: list[Slot], settings: RolloutSettings = RolloutSettings(),
+                    sequences: Sequence[Sequence[int]] | None = None) -> Trajectory:
+    """Played slots as one left-padded training sequence each, with loss mask, scores and groups.
+
+    ``sequences`` defaults to RAGEN's re-rendered training chat of every slot (spec §5).
+    """
+    if sequences is None:
         sequences = [tokenizer.encode(render_text(tokenizer, render_chat(
             s.prefix, s.history, max_tokens=s.env.max_tokens, enable_think=settings.enable_think, for_update=True),
             for_update=True), add_special_tokens=False) for s in slots]
-    ids, attention = _bucketed(sequences, pad, settings.bucket)
+    return pack_sequences(tokenizer, sequences, settings, scores=[s.score for s in slots],
+                          penalty=[s.penalty for s in slots], group_ids=[s.group_id for s in slots],
+                          tag_ids=[s.tag_id for s in slots])
+
+
+def pack_sequences(tokenizer: Any, sequences: Sequence[Sequence[int]], settings: RolloutSettings, *,
+                   scores: Sequence[float], penalty: Sequence[float], group_ids: Sequence[int],
+                   tag_ids: Sequence[int]) -> Trajectory:
+    """Token sequences as a left-padded, bucketed ``Trajectory`` with its loss mask (both drivers)."""
+    ids, attention = bucketed(sequences, tokenizer.pad_token_id, settings.bucket)
     if ids.shape[1] > settings.max_model_len:
         raise ValueError(f"a trajectory of {max(map(len, sequences))} tokens exceeds "
                          f"max_model_len={settings.max_model_len}")
@@ -121,5 +141,5 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
                      alignment=settings.mask_alignment)
     return Trajectory(
         input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), loss_mask=np.asarray(mask),
-        scores=np.array([s.score for s in slots], np.float32), penalty=np.array([s.penalty for s in slots], np.float32),
-        group_ids=np.array([s.group_id for s in slots], np.int32), tag_ids=np.array([s.tag_id for s in slots], np.int32))
+        scores=np.asarray(scores, np.float32), penalty=np.asarray(penalty, np.float32),
+        group_ids=np.asarray(group_ids, np.int32), tag_ids=np.asarray(tag_ids, np.int32))

@@ -1,0 +1,496 @@
+"""Fused multi-turn rollout (spec §3): a whole episode of JAX environments in one compiled program.
+
+Each turn, inside one ``lax.while_loop``, builds every active row's next segment from
+pre-tokenized pieces, decodes it with ``starpo_jax.sampler`` (the KV cache kept across
+turns), parses the generated ids on device (``envs.tokens.parse_tokens``), steps the
+vmapped environments with RAGEN's rules (``starpo_jax.env_manager.run_turn``) and keeps
+the counters the host driver keeps in its slots.
+
+The trajectory is the exact id sequence the decoder saw (``train_on_sampled_ids``,
+decision 10): generated ids are never re-tokenized. The fed text is cut into pieces at
+the variable parts — the chat up to the first state, the turn-end and user header up to
+``Reward:\\n{total}\\n``, ``\\nTurn k:\\nState:\\n``, the state, ``You have N actions left…``
+through the forced ``<think>`` — and each piece is tokenized on its own. The host driver
+tokenizes each fed text whole, so ``build_env_tables`` checks, for every reward text, turn
+number and budget and for sampled states, that the pieces concatenate to the whole-text
+encoding, and raises naming the tokenizer when a merge crosses a boundary. With the same
+seeds and greedy decoding both drivers then give identical trajectories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from envs.bandit import Bandit
+from envs.base import TextEnvironment
+from envs.frozen_lake import FrozenLake
+from envs.sokoban import Sokoban
+from envs.text import env_prefix, reward_text
+from envs.tokens import GridRenderer, build_grid_renderer, build_response_parser, parse_tokens, render_tokens
+from runtime.mesh import batch_sharding
+from starpo_jax.env_manager import Slot
+from starpo_jax.models.config import TransformerConfig
+from starpo_jax.models.kv_cache import KVCache, cache_shardings, init_cache
+from starpo_jax.rollout import RolloutSettings, pack_sequences, training_tail, turn_continuation
+from starpo_jax.sampler import SamplerConfig, make_sampler
+from starpo_jax.trajectory import Trajectory, Turn, render_chat, render_text
+
+NUM_CHECKED_STATES = 8  # reset states whose prompts and continuations are checked per grid environment
+NUM_TABLE_RESETS = 64  # resets enumerating a gridless environment's states (Bandit: two arm orders)
+
+
+def step_reward_values(env: Any, params: Any) -> tuple[float, ...]:
+    """Every float32 reward one ``step_env`` can return (the reward-text automaton's alphabet)."""
+    if isinstance(env, Bandit):
+        return (params.lo_arm_score, params.hi_arm_loscore, params.hi_arm_hiscore)
+    if isinstance(env, FrozenLake):
+        return (0.0, 1.0)
+    if isinstance(env, Sokoban):
+        return tuple(params.penalty_for_step + box + finish
+                     for box in (0.0, params.reward_box_on_target, params.penalty_box_off_target)
+                     for finish in (0.0, params.reward_finished))
+    raise ValueError(f"environment {getattr(env, 'tag', type(env).__name__)!r} has no on-device rollout "
+                     f"(Countdown and Python environments are host-only): set agent_proxy.rollout_driver=host")
+
+
+class Piece(NamedTuple):
+    """Variants of one text piece: token ids ``[n, W]`` (0-padded) and ``lengths[n]``."""
+
+    ids: jax.Array
+    lengths: jax.Array
+
+
+def _piece(rows: Sequence[Sequence[int]]) -> Piece:
+    ids = np.zeros((len(rows), max(1, max(len(r) for r in rows))), np.int32)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = row
+    return Piece(jnp.asarray(ids), jnp.asarray([len(r) for r in rows], jnp.int32))
+
+
+class RewardTable(NamedTuple):
+    """RAGEN's turn reward text ``str(0 + r_1 + … + r_n)`` as an automaton over step rewards.
+
+    ``values[V]``: the float32 step rewards; ``next_total[T, V]``: the running Python sum
+    after one more step (state 0 is the integer 0); ``text``: ``Reward:\\n{total}\\n`` per state.
+    """
+
+    values: jax.Array
+    next_total: jax.Array
+    text: Piece
+
+
+def build_reward_table(env: Any, params: Any, tokenizer: Any, max_steps: int) -> tuple[RewardTable, list[str]]:
+    """Enumerates the Python running sums of up to ``max_steps`` step rewards (and their texts)."""
+    values = np.asarray(step_reward_values(env, params), np.float32)
+    python = [env.reward_value(float(v), params) for v in values]
+    totals, index = [0], {(int, "0"): 0}
+    next_total = [[0] * len(values)]
+    frontier = [0]
+    for _ in range(max_steps):
+        grown = []
+        for state in frontier:
+            for v, value in enumerate(python):
+                total = totals[state] + value
+                key = (type(total), repr(total))
+                if key not in index:
+                    index[key] = len(totals)
+                    totals.append(total)
+                    next_total.append([index[key]] * len(values))  # past max_steps: never read
+                    grown.append(index[key])
+                next_total[state][v] = index[key]
+        frontier = grown
+    texts = [reward_text([total]) for total in totals]
+    encoded = [list(r) for r in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return RewardTable(jnp.asarray(values), jnp.asarray(next_total, jnp.int32), _piece(encoded)), texts
+
+
+class TextStates(NamedTuple):
+    """States of a gridless environment (Bandit's rules), looked up by observation.
+
+    A text state ends in a newline that some pre-tokenizers join to the next ``"\\n"`` and
+    others do not, so each entry holds the state together with its ``You have N actions…``
+    piece (entry ``state * (max_actions_per_traj + 1) + N``).
+    """
+
+    obs: jax.Array  # [n, *obs_shape]
+    text: Piece
+
+
+def state_tokens(renderer: GridRenderer | TextStates, obs: jax.Array, actions_left: jax.Array):
+    """Tokens of the state text and its newline (with the budget piece for a ``TextStates``)."""
+    if isinstance(renderer, GridRenderer):
+        return render_tokens(renderer, obs)
+    flat = renderer.obs.reshape(renderer.obs.shape[0], -1)
+    row = jnp.argmax(jnp.all(flat == obs.reshape(1, -1), axis=1))
+    row = row * (renderer.text.ids.shape[0] // flat.shape[0]) + actions_left
+    return renderer.text.ids[row], renderer.text.lengths[row]
+
+
+class EnvTables(NamedTuple):
+    """One environment tag's token pieces, parser, state renderer and reward automaton."""
+
+    env: Any
+    params: Any
+    parser: Any
+    states: GridRenderer | TextStates
+    rewards: RewardTable
+    prompt_head: Piece  # the chat through "State:\n" of Turn 1
+    head: Piece  # after a turn-end token, through the user header
+    turn: Piece  # "\nTurn k:\nState:\n" at index k
+    after: Piece  # "You have N actions left. …" through the forced tag, at index N
+
+
+def _states(env: TextEnvironment, params: Any, count: int) -> tuple[list[Any], np.ndarray]:
+    """``count`` reset states (unbatched, host) and their observations."""
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(jnp.arange(count))
+    obs, batch = jax.jit(jax.vmap(env.reset_env, (0, None)))(keys, params)
+    return [jax.tree.map(lambda x: x[i], batch) for i in range(count)], np.asarray(obs)
+
+
+def _split(text: str, part: str) -> tuple[str, str]:
+    at = text.rindex(part)
+    return text[:at], text[at + len(part):]
+
+
+def _continuation_text(tokenizer, env, settings: RolloutSettings, reward: str, turn: int, state: str,
+                       actions_left: int) -> str:
+    answered = Turn("s", 1, "<think></think><answer></answer>", "Reward:\n0\n")
+    history = [answered] * (turn - 2) + [dataclasses.replace(answered, reward=reward), Turn(state, actions_left)]
+    slot = Slot(types.SimpleNamespace(max_tokens=env.max_tokens), 0, 0, env_prefix(env), history)
+    return turn_continuation(tokenizer, slot, settings)
+
+
+def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params: Any = None) -> EnvTables:
+    """Token tables of ``env`` for ``tokenizer``; checks the piece encodings against whole texts.
+
+    Raises:
+      ValueError: naming the environment for a host-only one (Countdown), or naming the
+        tokenizer and the text when its merges cross a piece boundary.
+    """
+    params = env.default_params if params is None and isinstance(env, TextEnvironment) else params
+    step_reward_values(env, params)
+    budget = env.max_actions_per_traj
+    encode = lambda texts: [list(r) for r in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    rewards, reward_texts = build_reward_table(env, params, tokenizer, min(settings.max_actions_per_turn, budget))
+    grid = hasattr(env, "grid_lookup")
+    states, obs = _states(env, params, NUM_CHECKED_STATES if grid else NUM_TABLE_RESETS)
+    state_texts = [env.render_text(s) for s in states]
+    if grid:
+        renderer = build_grid_renderer(env, tokenizer)
+        ids, lengths = jax.vmap(lambda o: render_tokens(renderer, o))(jnp.asarray(obs))
+        state_ids = [list(np.asarray(i)[:n]) for i, n in zip(ids, np.asarray(lengths))]
+    else:  # every distinct reset state; a step always ends Bandit, so no later state is ever shown
+        rows = sorted({text: i for i, text in reversed(list(enumerate(state_texts)))}.values())
+        state_texts = [state_texts[i] for i in rows]
+
+    messages = lambda state: render_chat(env_prefix(env), [Turn(state, budget)], max_tokens=env.max_tokens,
+                                         enable_think=settings.enable_think)
+    prompt = render_text(tokenizer, messages(state_texts[0]), for_update=False, enable_think=settings.enable_think)
+    prompt_head, _ = _split(prompt, state_texts[0] + "\n")
+    reward0 = reward_texts[0]
+
+    def parts(turn, actions_left):
+        text = _continuation_text(tokenizer, env, settings, reward0, turn, state_texts[0], actions_left)
+        head, rest = _split(text, reward0)
+        middle, after = _split(rest, state_texts[0] + "\n")
+        return head, middle, after
+
+    head = parts(2, budget)[0]
+    turns = [""] * 2 + [parts(k, budget)[1] for k in range(2, max(settings.max_turn, 2) + 1)]
+    afters = [parts(2, n)[2] for n in range(budget + 1)]
+    if not grid:
+        state_ids = encode(text + "\n" + after for text in state_texts for after in afters)
+        renderer = TextStates(jnp.asarray(obs[rows]), _piece(state_ids))
+        afters = [""] * len(afters)
+    tables = EnvTables(env, params, build_response_parser(tokenizer, env.action_names, settings.enable_think,
+                                                          settings.max_actions_per_turn),
+                       renderer, rewards, _piece(encode([prompt_head])), _piece(encode([head])),
+                       _piece(encode(turns)), _piece(encode(afters)))
+    state_piece = (lambda s, n: state_ids[s]) if grid else (lambda s, n: state_ids[s * (budget + 1) + n])
+    _check_pieces(tokenizer, env, settings, tables, reward_texts, state_texts, state_piece, messages)
+    return tables
+
+
+def _check_pieces(tokenizer, env, settings, tables: EnvTables, reward_texts, state_texts, state_piece,
+                  messages) -> None:
+    """Raises unless every piece concatenation equals the host driver's whole-text encoding."""
+    piece = lambda p, i: [int(t) for t in np.asarray(p.ids[i])[:int(p.lengths[i])]]
+    budget = env.max_actions_per_traj
+    cases = [(r, 2, 0, budget) for r in range(len(reward_texts))]
+    cases += [(0, k, s, budget) for k in range(2, settings.max_turn + 1) for s in range(len(state_texts))]
+    cases += [(0, 2, 0, n) for n in range(budget + 1)]
+    texts, expected = [], []
+    for r, k, s, n in cases:
+        texts.append(_continuation_text(tokenizer, env, settings, reward_texts[r], k, state_texts[s], n))
+        expected.append(piece(tables.head, 0) + piece(tables.rewards.text, r) + piece(tables.turn, k)
+                        + state_piece(s, n) + piece(tables.after, n))
+    for s, state in enumerate(state_texts):
+        texts.append(render_text(tokenizer, messages(state), for_update=False, enable_think=settings.enable_think))
+        expected.append(piece(tables.prompt_head, 0) + state_piece(s, budget) + piece(tables.after, budget))
+    whole = [list(r) for r in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    for text, got, want in zip(texts, whole, expected):
+        if got != want:
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise ValueError(f"tokenizer {name!r} merges across the fused rollout's piece boundaries of {env.tag} "
+                             f"(the host driver encodes the whole text), e.g. in {text!r}: use the host driver")
+
+
+class FusedRollout(NamedTuple):
+    """The compiled program and what it was built with (``make_fused_rollout``)."""
+
+    run: Callable
+    tables: tuple[EnvTables, ...]
+    block_sizes: tuple[int, ...]
+    settings: RolloutSettings
+    mesh: Mesh | None
+
+
+class FusedEpisode(NamedTuple):
+    """What the compiled program returns, per row: the id sequence and the slot counters."""
+
+    ids: jax.Array  # [B, S] fed and sampled ids, left aligned
+    length: jax.Array
+    step_rewards: jax.Array  # [B, max_actions_per_traj] float32, in execution order
+    num_actions: jax.Array
+    num_penalties: jax.Array
+    num_turns: jax.Array
+    num_valid: jax.Array  # turns whose last executed action was valid
+    num_effective: jax.Array
+    terminated: jax.Array
+    truncated: jax.Array
+    overflow: jax.Array  # some turn's prompt exceeded max_model_len
+
+
+def _concat(pieces: Sequence[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
+    """Left-aligned concatenation of per-row pieces ``(ids[B, W_i], lengths[B])``."""
+    width = sum(ids.shape[1] for ids, _ in pieces)
+    batch = pieces[0][0].shape[0]
+    out, total = jnp.zeros((batch, width + 1), jnp.int32), jnp.zeros(batch, jnp.int32)
+    rows = jnp.arange(batch)[:, None]
+    for ids, lengths in pieces:
+        column = jnp.arange(ids.shape[1])[None]
+        out = out.at[rows, jnp.where(column < lengths[:, None], total[:, None] + column, width)].set(ids)
+        total = total + lengths
+    return out[:, :width], total
+
+
+def _append(buffer: jax.Array, length: jax.Array, ids: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes the first ``count`` of each row's ``ids`` after ``length`` (dropped past the end)."""
+    column = jnp.arange(ids.shape[1])[None]
+    slots = jnp.where(column < count[:, None], length[:, None] + column, buffer.shape[1])
+    return buffer.at[jnp.arange(buffer.shape[0])[:, None], slots].set(ids, mode="drop"), length + count
+
+
+def _right_align(ids: jax.Array, count: jax.Array, pad_id: int) -> tuple[jax.Array, jax.Array]:
+    """Left-aligned rows → left-padded ``(tokens, mask)`` for the model."""
+    width = ids.shape[1]
+    source = jnp.arange(width)[None] - (width - count[:, None])
+    mask = source >= 0
+    return jnp.where(mask, jnp.take_along_axis(ids, jnp.maximum(source, 0), axis=1), pad_id), mask.astype(jnp.int32)
+
+
+def _where(mask: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+class _Block(NamedTuple):
+    """Per-tag loop state."""
+
+    keys: jax.Array
+    env_state: Any
+    reward_total: jax.Array
+
+
+class _Loop(NamedTuple):
+    turn: jax.Array
+    cache: KVCache
+    ids: jax.Array
+    length: jax.Array
+    ended: jax.Array
+    blocks: tuple
+    episode: FusedEpisode
+
+
+def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, step_rewards, active):
+    """``run_turn``'s execution: the parsed valid actions in order, stopping at ``done``."""
+    env, rewards = tables.env, tables.rewards
+    step = jax.vmap(env.step_env, (0, 0, 0, None))
+    rows = jnp.arange(action_ids.shape[0])
+
+    def one(carry, action):
+        state, count, total, running, done, success, valid, effective, stepped, reward_buffer = carry
+        run = running & (action >= 0)
+        keys = jax.vmap(jax.random.fold_in)(block.keys, count + 1)
+        _, new_state, reward, new_done, info = step(keys, state, jnp.maximum(action, 0), tables.params)
+        value = jnp.argmin(jnp.abs(reward[:, None] - rewards.values[None]), axis=1)
+        reward_buffer = reward_buffer.at[rows, jnp.where(run, count, reward_buffer.shape[1])].set(reward, mode="drop")
+        return (_where(run, new_state, state), count + run, jnp.where(run, rewards.next_total[total, value], total),
+                running & ~(run & new_done), jnp.where(run, new_done, done),
+                jnp.where(run, info["success"], success), jnp.where(run, info["action_is_valid"], valid),
+                jnp.where(run, info["action_is_effective"], effective), stepped | run, reward_buffer), None
+
+    false = jnp.zeros_like(active)
+    init = (block.env_state, num_actions, jnp.zeros_like(num_actions), active, false, false, false, false, false,
+            step_rewards)
+    return jax.lax.scan(one, init, action_ids.T)[0]
+
+
+def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, sampler_config: SamplerConfig,
+                       tables: Sequence[EnvTables], block_sizes: Sequence[int], tokenizer: Any,
+                       settings: RolloutSettings, mesh: Mesh | None = None) -> FusedRollout:
+    """Compiles ``run(params, seeds, key) -> FusedEpisode`` for rows grouped by tag.
+
+    Rows ``sum(block_sizes[:b])`` onwards (``block_sizes[b]`` of them) play ``tables[b]``'s
+    environment; row i's environment is reset with ``seeds[i]`` exactly as ``GymnaxHostEnv``
+    does, and turn t decodes with ``fold_in(key, t)``, as ``host_rollout``. The KV cache
+    (``max_model_len + max_new_tokens`` slots, on ``cache_shardings`` with ``mesh``) lives
+    only inside the program.
+    """
+    if not settings.train_on_sampled_ids:
+        raise ValueError("the fused rollout trains on the sampled ids: set train_on_sampled_ids=True "
+                         "(or agent_proxy.rollout_driver=host)")
+    if len(tables) != len(block_sizes) or not tables:
+        raise ValueError(f"one block size per environment table, got {len(block_sizes)} for {len(tables)}")
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if eos not in sampler_config.stop_ids:
+        raise ValueError(f"SamplerConfig.stop_ids must contain the EOS id {eos}, got {sampler_config.stop_ids}")
+    sample = make_sampler(graphdef, sampler_config, mesh=mesh)
+    starts = np.cumsum([0, *block_sizes])
+    tail = _piece([tokenizer.encode(training_tail(tokenizer, _finished_slot(), settings), add_special_tokens=False)])
+    max_budget = max(t.env.max_actions_per_traj for t in tables)
+
+    def segment(t: EnvTables, block: _Block, turn, ended, num_actions, active):
+        rows = ended.shape[0]
+        obs = jax.vmap(t.env.get_obs)(block.env_state)
+        left = t.env.max_actions_per_traj - num_actions
+        state = jax.vmap(lambda o, n: state_tokens(t.states, o, n))(obs, left)
+        after = (t.after.ids[left], t.after.lengths[left])
+        fixed = lambda p, i: (jnp.broadcast_to(p.ids[i], (rows, p.ids.shape[1])), jnp.full(rows, p.lengths[i]))
+        prompt = _concat([fixed(t.prompt_head, 0), state, after])
+        turn_number = jnp.minimum(turn + 1, t.turn.ids.shape[0] - 1)
+        eos_ids = (jnp.full((rows, 1), eos, jnp.int32), jnp.where(ended, 0, 1).astype(jnp.int32))
+        reward = (t.rewards.text.ids[block.reward_total], t.rewards.text.lengths[block.reward_total])
+        continued = _concat([eos_ids, fixed(t.head, 0), reward, fixed(t.turn, turn_number), state, after])
+        width = max(prompt[0].shape[1], continued[0].shape[1])
+        widen = lambda x: jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+        ids = jnp.where(turn == 0, widen(prompt[0]), widen(continued[0]))
+        return ids, jnp.where(active, jnp.where(turn == 0, prompt[1], continued[1]), 0)
+
+    def turn_body(params, key, s: _Loop) -> _Loop:
+        e = s.episode
+        active = ~e.terminated
+        pieces = [segment(t, b, s.turn, s.ended[lo:hi], e.num_actions[lo:hi], active[lo:hi])
+                  for t, b, lo, hi in zip(tables, s.blocks, starts[:-1], starts[1:])]
+        width = max(ids.shape[1] for ids, _ in pieces)
+        seg = jnp.concatenate([jnp.pad(ids, ((0, 0), (0, width - ids.shape[1]))) for ids, _ in pieces])
+        seg_length = jnp.concatenate([n for _, n in pieces])
+        overflow = e.overflow | jnp.any(active & (s.length + seg_length > settings.max_model_len))
+        tokens, mask = _right_align(seg, seg_length, pad)
+        out = sample(params, tokens, mask, s.cache, jax.random.fold_in(key, s.turn), active)
+        ids, length = _append(s.ids, s.length, seg, seg_length)
+        ids, length = _append(ids, length, out.tokens, out.lengths)
+        last = jnp.take_along_axis(out.tokens, jnp.maximum(out.lengths - 1, 0)[:, None], axis=1)[:, 0]
+        ended = jnp.where(active, last == eos, s.ended)
+        blocks, columns = [], []
+        for t, b, lo, hi in zip(tables, s.blocks, starts[:-1], starts[1:]):
+            left = t.env.max_actions_per_traj - e.num_actions[lo:hi]
+            parsed = jax.vmap(lambda i, n, a: parse_tokens(t.parser, i, n, a))(out.tokens[lo:hi], out.lengths[lo:hi],
+                                                                                left)
+            on = active[lo:hi]
+            (state, count, total, _, done, success, valid, effective, stepped,
+             rewards) = _play_actions(t, b, parsed.action_ids, e.num_actions[lo:hi], e.step_rewards[lo:hi], on)
+            blocks.append(_Block(b.keys, state, jnp.where(on, total, b.reward_total)))
+            done_now = on & done
+            out_of_budget = on & ~done & (count >= t.env.max_actions_per_traj)
+            columns.append(dict(
+                step_rewards=rewards, num_actions=count, num_penalties=e.num_penalties[lo:hi] + (on & parsed.format_penalty),
+                num_turns=e.num_turns[lo:hi] + on, num_valid=e.num_valid[lo:hi] + (on & stepped & valid),
+                num_effective=e.num_effective[lo:hi] + (on & stepped & effective),
+                terminated=e.terminated[lo:hi] | done_now | out_of_budget,
+                truncated=jnp.where(done_now, ~success, e.truncated[lo:hi] | out_of_budget)))
+        episode = e._replace(overflow=overflow, **{k: jnp.concatenate([c[k] for c in columns])
+                                                   for k in columns[0]})
+        return _Loop(s.turn + 1, out.cache, ids, length, ended, tuple(blocks), episode)
+
+    def rollout(params, seeds, key) -> FusedEpisode:
+        batch = seeds.shape[0]
+        cache = init_cache(model_config, batch, settings.max_model_len + sampler_config.max_new_tokens)
+        if mesh is not None:
+            cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+        blocks = []
+        for t, lo, hi in zip(tables, starts[:-1], starts[1:]):
+            keys = jax.vmap(jax.random.key)(seeds[lo:hi])
+            _, state = jax.vmap(t.env.reset_env, (0, None))(jax.vmap(jax.random.fold_in, (0, None))(keys, 0), t.params)
+            blocks.append(_Block(keys, state, jnp.zeros(hi - lo, jnp.int32)))
+        zeros, false = jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
+        episode = FusedEpisode(jnp.zeros((batch, cache.max_length), jnp.int32), zeros,
+                               jnp.zeros((batch, max_budget), jnp.float32), zeros, zeros, zeros, zeros, zeros, false,
+                               false, jnp.bool_(False))
+        state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), tuple(blocks), episode)
+        final = jax.lax.while_loop(lambda s: (s.turn < settings.max_turn) & jnp.any(~s.episode.terminated),
+                                   lambda s: turn_body(params, key, s), state)
+        ids, length = _append(final.ids, final.length, jnp.full((batch, 1), eos, jnp.int32),
+                              jnp.where(final.ended, 0, 1).astype(jnp.int32))
+        ids, length = _append(ids, length, jnp.broadcast_to(tail.ids, (batch, tail.ids.shape[1])),
+                              jnp.full(batch, tail.lengths[0]))
+        return final.episode._replace(ids=ids, length=length)
+
+    return FusedRollout(jax.jit(rollout), tuple(tables), tuple(block_sizes), settings, mesh)
+
+
+def _finished_slot() -> Slot:
+    """A slot whose last response is answered: its training text ends the trajectory."""
+    answered = Turn("s", 1, "<think></think><answer></answer>", "Reward:\n0\n")
+    return Slot(types.SimpleNamespace(max_tokens=100), 0, 0, "p", [answered, Turn("s", 0)])
+
+
+class FusedOutput(NamedTuple):
+    """The trajectories and RAGEN's per-trajectory env metrics (``env_manager.slot_metrics``), per row."""
+
+    trajectory: Trajectory
+    metrics: list[dict[str, float]]
+
+
+def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Sequence[int], group_ids: Sequence[int],
+                  key: jax.Array) -> FusedOutput:
+    """Runs the compiled episode and lays it out as ``host_rollout`` does (bucketed left padding, masks).
+
+    Row i plays block b's environment (tag id b) from ``seeds[i]``; scores and penalties are
+    summed as the host slots sum them (Python numbers, from the integer 0 and 0.0).
+    """
+    settings, tables = program.settings, program.tables
+    tag_ids = np.repeat(np.arange(len(program.block_sizes)), program.block_sizes)
+    if len(seeds) != len(tag_ids) or len(group_ids) != len(tag_ids):
+        raise ValueError(f"seeds and group_ids need {len(tag_ids)} entries (block sizes {program.block_sizes}), "
+                         f"got {len(seeds)} and {len(group_ids)}")
+    seeds_array = jnp.asarray(seeds, jnp.int32)
+    if program.mesh is not None:
+        seeds_array = jax.device_put(seeds_array, batch_sharding(program.mesh, 1))
+    episode = jax.device_get(program.run(params, seeds_array, key))
+    if episode.overflow:
+        raise ValueError(f"a prompt exceeds max_model_len={settings.max_model_len} tokens")
+    sequences = [row[:n] for row, n in zip(episode.ids, episode.length)]
+    scores, penalties, metrics = [], [], []
+    for i, tag in enumerate(tag_ids):
+        t = tables[tag]
+        scores.append(float(sum(t.env.reward_value(float(r), t.params)
+                                for r in episode.step_rewards[i, :episode.num_actions[i]])))
+        penalty = 0.0
+        for _ in range(int(episode.num_penalties[i])):  # run_turn's float sum, rounding included
+            penalty += settings.format_penalty
+        penalties.append(penalty)
+        turns = max(int(episode.num_turns[i]), 1)
+        metrics.append({"success": float(episode.terminated[i] and not episode.truncated[i]),
+                        "num_actions": float(episode.num_actions[i]),
+                        "action_is_effective": int(episode.num_effective[i]) / turns,
+                        "action_is_valid": int(episode.num_valid[i]) / turns})
+    return FusedOutput(pack_sequences(tokenizer, sequences, settings, scores=scores, penalty=penalties,
+                                      group_ids=group_ids, tag_ids=tag_ids), metrics)

@@ -30,6 +30,10 @@ from starpo_jax.steps import (CriticBatch, PolicyBatch, make_actor_step, make_cr
 from starpo_jax.trajectory import Trajectory
 
 
+# Running counts of skipped optimizer steps: an iteration reports the count after its last mini-batch.
+NON_FINITE_COUNTERS = ("/non_finite_steps", "/consecutive_non_finite")
+
+
 class Learner(NamedTuple):
     """The compiled functions and frozen parts one update needs (built by the launch script).
 
@@ -144,7 +148,7 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
     if algorithm.use_kl_in_reward:
         out = apply_kl_penalty(rewards, old_log_probs, ref_log_probs, loss_mask, algorithm.kl_ctrl.kl_coef,
                                algorithm.kl_penalty)
-        rewards, metrics = out.rewards, {**metrics, **out.metrics}
+        rewards, metrics = out.token_level_rewards, {**metrics, **out.metrics}
     adv = compute_advantage(algorithm.adv_estimator, rewards, values, loss_mask, gamma=algorithm.gamma,
                             lam=algorithm.lam, bi_level_gae=algorithm.bi_level_gae,
                             high_level_gamma=algorithm.high_level_gamma,
@@ -169,5 +173,5 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
     timing["timing_s/update"] = time.perf_counter() - clock - timing["timing_s/old_log_prob"]
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
     for name, values in _collect(jax.device_get(step_metrics)).items():
-        host[name] = float(np.mean(values))
+        host[name] = float(values[-1] if name.endswith(NON_FINITE_COUNTERS) else np.mean(values))
     return actor, critic, {**host, **timing}

@@ -1,10 +1,14 @@
-"""Named StarPO algorithms as compositions of RAGEN ``key=value`` overrides (spec §12, §17).
+"""Named StarPO algorithms and RAGEN's paper runs as compositions of ``key=value`` overrides (spec §12, §17).
 
 The flag sets are those of RAGEN's ``train_all.sh`` (``USE_PPO``, ``USE_GRPO``, ``USE_BASE``);
 StarPO-S is the default config, vanilla StarPO adds ``USE_BASE``, and the paper's ablations
-add one more flag set each. ``load_config`` resolves a preset plus user overrides into a
-validated ``StarPOConfig``; ``parse_args`` does the same for a command line in RAGEN's
-form ``--preset starpo-s-grpo actor_rollout_ref.actor.clip_ratio_high=0.2 ...``.
+add one more flag set each. A paper recipe is an environment flag set (RAGEN's
+``_1_bandit`` / ``_2_sokoban`` / ``_3_frozen_lake`` / ``_4_countdown`` configs) followed by an
+algorithm, named ``{env}-{algorithm}``; the rollout-shaping studies of §17 are named
+``sokoban-pxn-{P}x{N}``, ``sokoban-actions{k}`` and ``sokoban-online{k}``. ``load_config``
+resolves a preset plus user overrides into a validated ``StarPOConfig``; ``parse_args`` does the
+same for a command line in RAGEN's form ``--preset starpo-s-grpo actor_rollout_ref.actor.clip_ratio_high=0.2 ...``.
+``MESH_PRESETS`` names the ``--mesh`` value (data, fsdp, tensor) for common accelerators.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 from typing import Sequence
 
 from runtime.config import parse_config
+from runtime.mesh import MeshConfig
 from starpo_jax.config import StarPOConfig, resolve, validate
 
 USE_PPO = ("algorithm.adv_estimator=gae",)
@@ -26,11 +31,32 @@ PAPER_KL_IN_REWARD = ("algorithm.use_kl_in_reward=True",)
 CLIP_HIGHER = ("actor_rollout_ref.actor.clip_ratio_high=0.28",)
 NO_KL = ("algorithm.kl_ctrl.kl_coef=0.0", "actor_rollout_ref.actor.kl_loss_coef=0.0")
 USE_LORA = ("lora.rank=64", "lora.alpha=64", "actor_rollout_ref.actor.optim.lr=1e-5", "critic.optim.lr=1e-4")
+# RAGEN README's recipe for GPUs smaller than an 80 GB A100 (e.g. a 24 GB RTX 4090), spec §16.
+LOW_MEMORY = ("micro_batch_size_per_gpu=1", "ppo_mini_batch_size=8", "actor_rollout_ref.rollout.max_model_len=2048",
+              "actor_rollout_ref.rollout.response_length=128")
+NO_THINK = ("agent_proxy.enable_think=False",)
 TINY = ("es_manager.train.env_groups=4", "es_manager.train.group_size=4", "es_manager.train.env_configs.n_groups=[4]",
         "es_manager.val.env_groups=8", "es_manager.val.env_configs.n_groups=[8]", "ppo_mini_batch_size=4",
         "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
         "actor_rollout_ref.rollout.response_length=32", "actor_rollout_ref.rollout.max_model_len=512",
         "agent_proxy.max_turn=2", "trainer.total_training_steps=2", "trainer.test_freq=1")
+
+# RAGEN's per-environment configs (config/_1_bandit.yaml ... _4_countdown.yaml; spec §14).
+BANDIT = ("agent_proxy.max_turn=1", "agent_proxy.max_actions_per_turn=1",
+          "actor_rollout_ref.rollout.response_length=500", "es_manager.train.env_configs.tags=[Bandit]",
+          "es_manager.val.env_groups=512", "es_manager.val.env_configs.tags=[Bandit,BanditTest]",
+          "es_manager.val.env_configs.n_groups=[256,256]")
+SOKOBAN = ("es_manager.train.env_configs.tags=[SimpleSokoban]", "es_manager.val.env_configs.tags=[SimpleSokoban]")
+FROZEN_LAKE = ("es_manager.train.env_configs.tags=[FrozenLake]", "es_manager.val.env_configs.tags=[FrozenLake]")
+COUNTDOWN = ("agent_proxy.max_turn=1", "agent_proxy.max_actions_per_turn=1",
+             "es_manager.train.env_configs.tags=[Countdown]", "es_manager.val.env_configs.tags=[Countdown]")
+ENVIRONMENTS: dict[str, tuple[str, ...]] = {
+    "bandit": BANDIT, "sokoban": SOKOBAN, "frozenlake": FROZEN_LAKE, "countdown": COUNTDOWN}
+# train_all.sh's SOKOBAN_GENERALIZATION_CONFIG: validate on 128 states of each of four variants.
+SOKOBAN_GENERALIZATION = SOKOBAN + (
+    "es_manager.val.env_groups=512", "es_manager.val.group_size=1",
+    "es_manager.val.env_configs.tags=[SimpleSokoban,LargerSokoban,SokobanDifferentGridVocab,FrozenLake]",
+    "es_manager.val.env_configs.n_groups=[128,128,128,128]")
 
 
 def filter_ratio(ratio: float) -> tuple[str, ...]:
@@ -38,18 +64,79 @@ def filter_ratio(ratio: float) -> tuple[str, ...]:
     return (f"actor_rollout_ref.rollout.rollout_filter_ratio={ratio}",)
 
 
+def groups(env_groups: int, group_size: int) -> tuple[str, ...]:
+    """``env_groups`` initial states (P) × ``group_size`` rollouts each (N), one env tag (Table 2).
+
+    A group of one rollout has no reward std to rank by, so P × 1 keeps every group.
+    """
+    keep_all = filter_ratio(1) if group_size == 1 else ()
+    return (f"es_manager.train.env_groups={env_groups}", f"es_manager.train.group_size={group_size}",
+            f"es_manager.train.env_configs.n_groups=[{env_groups}]") + keep_all
+
+
+def actions_per_turn(k: int) -> tuple[str, ...]:
+    """At most ``k`` actions per turn (Table 3); RAGEN also sets each env's budget to ``5 k``."""
+    return (f"agent_proxy.max_actions_per_turn={k}",)
+
+
+def online(k: int) -> tuple[str, ...]:
+    """Online-k: each rollout batch feeds k mini-batch updates (Fig. 10; ``train_all.sh``)."""
+    env_groups, steps, test_freq = {1: (8, 200, 10), 2: (16, 100, 5), 5: (40, 40, 2), 10: (80, 80, 1)}[k]
+    return groups(env_groups, 16) + (f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}")
+
+
 STARPO_PPO = USE_PPO + USE_BASE + PAPER_KL_IN_REWARD
-PRESETS: dict[str, tuple[str, ...]] = {
+FILTER_RATIOS = (0.25, 0.5, 0.75, 1.0)
+ALGORITHMS: dict[str, tuple[str, ...]] = {
     "starpo-s-ppo": USE_PPO,
     "starpo-s-grpo": USE_GRPO,
     "starpo-ppo": STARPO_PPO,
     "starpo-grpo": USE_GRPO + USE_BASE,
     "starpo-ppo-cliphigh": STARPO_PPO + CLIP_HIGHER,
     "starpo-ppo-nokl": STARPO_PPO + NO_KL,
-    **{f"starpo-s-ppo-filter{ratio:g}": USE_PPO + filter_ratio(ratio) for ratio in (0.25, 0.5, 0.75, 1.0)},
+    **{f"starpo-s-ppo-filter{ratio:g}": USE_PPO + filter_ratio(ratio) for ratio in FILTER_RATIOS},
+    **{f"starpo-s-grpo-filter{ratio:g}": USE_GRPO + filter_ratio(ratio) for ratio in FILTER_RATIOS},
     "starpo-s-ppo-lora": USE_PPO + USE_LORA,
-    "tiny": USE_PPO + TINY,
+    "starpo-s-ppo-24gb": USE_PPO + USE_LORA + LOW_MEMORY,
 }
+# Every environment gets the four algorithms and the LoRA / 24 GB variants; the ablations (§12, Fig. 7, Fig. 8)
+# ran on Sokoban and FrozenLake.
+MAIN_ALGORITHMS = ("starpo-ppo", "starpo-grpo", "starpo-s-ppo", "starpo-s-grpo", "starpo-s-ppo-lora",
+                   "starpo-s-ppo-24gb")
+ABLATION_ENVIRONMENTS = ("sokoban", "frozenlake")
+PAPER_RECIPES: dict[str, tuple[str, ...]] = {
+    **{f"{env}-{name}": flags + ALGORITHMS[name] for env, flags in ENVIRONMENTS.items() for name in MAIN_ALGORITHMS},
+    **{f"{env}-{name}": ENVIRONMENTS[env] + algorithm for env in ABLATION_ENVIRONMENTS
+       for name, algorithm in ALGORITHMS.items() if name not in MAIN_ALGORITHMS},
+    "sokoban-generalization": SOKOBAN_GENERALIZATION + USE_PPO,
+    "sokoban-generalization-nothink": SOKOBAN_GENERALIZATION + USE_PPO + NO_THINK,
+    "bandit-generalization-nothink": BANDIT + USE_PPO + NO_THINK,
+    **{f"sokoban-pxn-{p}x{n}": SOKOBAN_GENERALIZATION + USE_PPO + groups(p, n)
+       for p, n in ((4, 32), (8, 16), (16, 8), (32, 4), (64, 2), (128, 1))},
+    **{f"sokoban-actions{k}": SOKOBAN_GENERALIZATION + USE_PPO + actions_per_turn(k) for k in range(1, 8)},
+    **{f"sokoban-online{k}": SOKOBAN_GENERALIZATION + USE_PPO + online(k) for k in (1, 2, 5, 10)},
+}
+PRESETS: dict[str, tuple[str, ...]] = {**ALGORITHMS, "tiny": USE_PPO + TINY, **PAPER_RECIPES}
+
+# ``--mesh`` values (data, fsdp, tensor). Data-parallel devices (data × fsdp) × micro_batch_size_per_gpu
+# must divide ppo_mini_batch_size (32): 16 chips therefore split 8-way FSDP × 2-way tensor parallel.
+MESH_PRESETS: dict[str, MeshConfig] = {
+    "gpu": MeshConfig(1, 1, 1),
+    "gpu-8": MeshConfig(1, 8, 1),
+    "v4-8": MeshConfig(1, 4, 1),
+    "v5e-8": MeshConfig(1, 8, 1),
+    "v4-32": MeshConfig(1, 8, 2),
+}
+
+
+def mesh_config(value: str) -> MeshConfig:
+    """A ``MESH_PRESETS`` name or ``"data,fsdp,tensor"`` sizes (one may be -1) as a ``MeshConfig``."""
+    if value in MESH_PRESETS:
+        return MESH_PRESETS[value]
+    if "," not in value:
+        raise ValueError(f"--mesh must be one of {sorted(MESH_PRESETS)} or three sizes 'data,fsdp,tensor', "
+                         f"got {value!r}")
+    return MeshConfig.parse(value)
 
 
 def load_config(preset: str = "starpo-s-ppo", overrides: Sequence[str] = ()) -> StarPOConfig:

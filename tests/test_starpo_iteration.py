@@ -1,4 +1,5 @@
-"""A full StarPO update (filter, log-probs, values, advantages, critic and actor steps) on 8 devices equals 1."""
+"""A full StarPO update (filter, log-probs, values, advantages, critic and actor steps) on 8 devices equals 1;
+one iteration of each remaining algorithm flag set (S-GRPO, PPO with KL-in-reward, LoRA) runs."""
 
 import chex
 import jax
@@ -10,6 +11,7 @@ from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded
 from starpo_jax.iteration import build_learner, num_micro_batches, update
 from starpo_jax.models.config import TransformerConfig
+from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.models.transformer import CausalLM, Critic
 from starpo_jax.presets import load_config
 from starpo_jax.trajectory import Trajectory, position_ids
@@ -34,11 +36,12 @@ def trajectory():
                       np.repeat(np.arange(GROUPS), GROUP_SIZE).astype(np.int32), np.zeros(b, np.int32))
 
 
-def run(preset, mesh, micro_batch_size_per_gpu):
-    config = load_config(preset, OVERRIDES + (f"micro_batch_size_per_gpu={micro_batch_size_per_gpu}",))
+def run(preset, mesh, micro_batch_size_per_gpu, overrides=()):
+    config = load_config(preset, OVERRIDES + (f"micro_batch_size_per_gpu={micro_batch_size_per_gpu}",) + overrides)
+    lora = LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha)) if config.lora.rank else None
     with jax.set_mesh(mesh):
-        policy = create_sharded(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0)), mesh)
-        critic = create_sharded(lambda: Critic(MODEL, rngs=nnx.Rngs(1)), mesh) if config.use_critic else None
+        policy = create_sharded(lambda: CausalLM(MODEL, lora=lora, rngs=nnx.Rngs(0)), mesh)
+        critic = create_sharded(lambda: Critic(MODEL, lora=lora, rngs=nnx.Rngs(1)), mesh) if config.use_critic else None
         learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh, num_micro_batches(config, mesh))
         actor, critic_state, metrics = update(actor, critic_state, learner, trajectory(), config)
     return jax.device_get(actor.params), metrics
@@ -64,3 +67,22 @@ def test_micro_batch_size_must_divide_over_devices():
     config = load_config("starpo-s-ppo", OVERRIDES + ("micro_batch_size_per_gpu=2",))
     with pytest.raises(ValueError, match="ppo_mini_batch_size=4 must be a multiple of micro_batch_size_per_gpu=2 x 4"):
         num_micro_batches(config, make_mesh(MeshConfig(2, 2, 2)))
+
+
+@pytest.mark.parametrize("preset,present,absent", [
+    ("starpo-s-grpo", (), ("critic/vf_loss", "rollout/ref_log_prob")),
+    ("starpo-ppo", ("critic/vf_loss", "actor/reward_kl_penalty", "rollout/ref_log_prob"), ("actor/kl_loss",)),
+    ("starpo-s-ppo-24gb", ("critic/vf_loss",), ("actor/kl_loss", "actor/reward_kl_penalty")),
+])
+def test_one_iteration_of_each_remaining_algorithm(preset, present, absent):
+    """The flag sets not covered above (S-GRPO; PPO with KL-in-reward; LoRA with micro-batches of 1) on one
+    device. The other presets only change constants (clip, KL coefficients, filter ratio) or env flags."""
+    lora = "24gb" in preset
+    params, metrics = run(preset, make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), 1,
+                          ("lora.rank=4",) if lora else ())
+    for name, value in metrics.items():
+        assert np.isfinite(value), name
+    assert metrics["actor/grad_norm"] > 0
+    assert all(name in metrics for name in present) and not any(name in metrics for name in absent)
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert all("lora" in path for path in paths) == lora  # LoRA trains only the adapters

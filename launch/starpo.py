@@ -3,6 +3,10 @@
     python -m launch.starpo --preset starpo-s-ppo --out runs/sokoban model_path=<hf folder or id> \\
         es_manager.train.env_configs.tags=[SimpleSokoban] trainer.total_training_steps=200
 
+Without ``model_path`` it runs the embedded demo (``launch.demo_starpo``): a small
+tokenizer and policy built locally, SFT on solver demonstrations, then StarPO-S on
+Bandit and FrozenLake; nothing is downloaded.
+
 Each iteration: host-driven rollout of ``env_groups × group_size`` trajectories,
 then ``starpo_jax.iteration.update``; validation every ``trainer.test_freq``
 iterations; metrics to JSONL and TensorBoard; decoded validation and training
@@ -14,34 +18,37 @@ policy exported as a Hugging Face folder ``<out>/hf_model``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import envs
 from runtime.checkpoint import Checkpointer
-from runtime.distributed import initialize
-from runtime.mesh import MeshConfig, make_mesh
+from runtime.guards import NonFiniteError, NonFiniteGuard
+from runtime.mesh import make_mesh
 from runtime.metrics import MetricWriter, ProgressBar
 from runtime.preemption import PreemptionHandler
 from starpo_jax.config import EnvGroupsConfig, StarPOConfig
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
+from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
 from starpo_jax.iteration import build_learner, num_micro_batches, update
 from starpo_jax.models.hf_io import load_pretrained, save_pretrained
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.lora import LoRAConfig
-from starpo_jax.presets import PRESETS, load_config
+from starpo_jax.presets import PRESETS, load_config, mesh_config
 from starpo_jax.rollout import RolloutSettings, host_rollout
 from starpo_jax.sampler import SamplerConfig, make_sampler
-from starpo_jax.tokenizer import load_tokenizer
+from starpo_jax.tokenizer import load_tokenizer, require_chat_template
 
 
 def make_slots(groups: EnvGroupsConfig, seed: int) -> list:
@@ -58,24 +65,59 @@ def make_slots(groups: EnvGroupsConfig, seed: int) -> list:
     return slots
 
 
-def env_metrics(slots: list, tags: Sequence[str], prefix: str) -> dict[str, float]:
-    """``{prefix}/{Tag}/{success,num_actions,action_is_effective,action_is_valid}`` means over trajectories."""
+def env_metrics(rows: list[dict[str, float]], tag_ids: np.ndarray, scores: np.ndarray, tags: Sequence[str],
+                prefix: str) -> dict[str, float]:
+    """``{prefix}/{Tag}/{success,num_actions,action_is_effective,action_is_valid}`` means over trajectories
+    (``rows``: one ``slot_metrics`` dict each), and ``{prefix}/{Tag}/reward/{mean,std}`` of their ``scores``."""
     out: dict[str, float] = {}
     for tag_id, tag in enumerate(tags):
-        rows = [slot_metrics(s) for s in slots if s.tag_id == tag_id]
-        for name in (rows[0] if rows else {}):
-            out[f"{prefix}/{tag}/{name}"] = float(np.mean([r[name] for r in rows]))
+        tagged = np.flatnonzero(np.asarray(tag_ids) == tag_id)
+        if not len(tagged):
+            continue
+        for name in rows[tagged[0]]:
+            out[f"{prefix}/{tag}/{name}"] = float(np.mean([rows[i][name] for i in tagged]))
+        tag_scores = np.asarray(scores)[tagged]
+        out[f"{prefix}/{tag}/reward/mean"] = float(tag_scores.mean())
+        out[f"{prefix}/{tag}/reward/std"] = float(tag_scores.std())
     return out
 
 
-def save_rollouts(path: Path, tokenizer, traj, slots: list, tags: Sequence[str]) -> None:
+def save_rollouts(path: Path, tokenizer, traj, rows: list[dict[str, float]], tags: Sequence[str]) -> None:
     """One JSON line per trajectory: decoded training text, score, penalty, success, group and tag."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for i, slot in enumerate(slots):
+        for i, row in enumerate(rows):
             text = tokenizer.decode(traj.input_ids[i][traj.attention_mask[i] > 0])
-            f.write(json.dumps({"group_id": slot.group_id, "tag": tags[slot.tag_id], "score": slot.score,
-                                "penalty": slot.penalty, "success": slot.success, "text": text}) + "\n")
+            f.write(json.dumps({"group_id": int(traj.group_ids[i]), "tag": tags[traj.tag_ids[i]],
+                                "score": float(traj.scores[i]), "penalty": float(traj.penalty[i]),
+                                "success": bool(row["success"]), "text": text}) + "\n")
+
+
+def make_player(config: StarPOConfig, groups: EnvGroupsConfig, graphdef, model_config, sampler_config: SamplerConfig,
+                tokenizer, settings: RolloutSettings, mesh: Mesh) -> Callable:
+    """``play(params, seed, key) -> (trajectory, rows)`` for ``groups`` with ``agent_proxy.rollout_driver``.
+
+    Group g plays from ``seed + g`` with either driver; ``rows`` are the per-trajectory env metrics.
+    """
+    if config.agent_proxy.rollout_driver == "fused":
+        tables = [build_env_tables(envs.make(tag), tokenizer, settings) for tag in groups.env_configs.tags]
+        sizes = [n * groups.group_size for n in groups.env_configs.n_groups]
+        program = make_fused_rollout(graphdef, model_config, sampler_config, tables, sizes, tokenizer, settings, mesh)
+        group_ids = np.repeat(np.arange(groups.env_groups), groups.group_size)
+
+        def play_fused(params, seed: int, key):
+            out = fused_rollout(program, params, tokenizer, seed + group_ids, group_ids, key)
+            return out.trajectory, out.metrics
+
+        return play_fused
+    sampler = make_sampler(graphdef, sampler_config)
+
+    def play_host(params, seed: int, key):
+        slots = make_slots(groups, seed)
+        cache = init_cache(model_config, len(slots), settings.max_model_len + sampler_config.max_new_tokens)
+        return host_rollout(sampler, params, tokenizer, slots, cache, key, settings), list(map(slot_metrics, slots))
+
+    return play_host
 
 
 def rollout_settings(config: StarPOConfig) -> RolloutSettings:
@@ -86,17 +128,13 @@ def rollout_settings(config: StarPOConfig) -> RolloutSettings:
                            enable_response_mask=config.enable_response_mask, mask_alignment=config.mask_alignment)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="starpo-s-ppo", choices=sorted(PRESETS))
-    parser.add_argument("--out", default="runs/starpo", help="metrics, checkpoints and the exported model")
-    parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes; one may be -1")
-    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    config = load_config(args.preset, overrides)
-    initialize()
-    mesh = make_mesh(MeshConfig(*(int(x) for x in args.mesh.split(","))))
-    out = Path(args.out)
-    tokenizer = load_tokenizer(config.model_path)
+def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32) -> dict[str, float]:
+    """The StarPO loop on ``config.model_path``; returns the metrics of the last iteration.
+
+    ``rollout_bucket``: trajectories and prompts are padded to a multiple of this many
+    tokens, so the compiled steps see few distinct shapes.
+    """
+    tokenizer = require_chat_template(load_tokenizer(config.model_path))
     lora = LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha)) if config.lora.rank else None
     micro = num_micro_batches(config, mesh)
     rollout_cfg = config.actor_rollout_ref.rollout
@@ -110,62 +148,91 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         frozen = learner.actor_frozen
         stop = (tokenizer.eos_token_id,)
         top_k = max(rollout_cfg.top_k, 0)
-        train_sampler = make_sampler(graphdef, SamplerConfig(rollout_cfg.response_length, rollout_cfg.temperature,
-                                                             rollout_cfg.top_p, top_k, stop_ids=stop,
-                                                             pad_id=tokenizer.pad_token_id))
-        val_sampler = make_sampler(graphdef, SamplerConfig(
+        settings = dataclasses.replace(rollout_settings(config), bucket=rollout_bucket)
+        train_play = make_player(config, config.es_manager.train, graphdef, policy.config, SamplerConfig(
+            rollout_cfg.response_length, rollout_cfg.temperature, rollout_cfg.top_p, top_k, stop_ids=stop,
+            pad_id=tokenizer.pad_token_id), tokenizer, settings, mesh)
+        val_play = make_player(config, config.es_manager.val, graphdef, policy.config, SamplerConfig(
             rollout_cfg.response_length, rollout_cfg.val_kwargs.temperature, rollout_cfg.top_p, top_k,
-            greedy=not rollout_cfg.val_kwargs.do_sample, stop_ids=stop, pad_id=tokenizer.pad_token_id))
-        settings = rollout_settings(config)
-
-        def play(sampler, groups: EnvGroupsConfig, seed: int, key):
-            slots = make_slots(groups, seed)
-            cache = init_cache(policy.config, len(slots), rollout_cfg.max_model_len + rollout_cfg.response_length)
-            params = nnx.merge_state(actor.params, frozen)
-            return host_rollout(sampler, params, tokenizer, slots, cache, key, settings), slots
+            greedy=not rollout_cfg.val_kwargs.do_sample, stop_ids=stop, pad_id=tokenizer.pad_token_id),
+            tokenizer, settings, mesh)
 
         def validate(step: int) -> dict[str, float]:
-            traj, slots = play(val_sampler, config.es_manager.val, config.seed.val, jax.random.key(config.seed.val))
+            params = nnx.merge_state(actor.params, frozen)
+            traj, rows = val_play(params, config.seed.val, jax.random.key(config.seed.val))
             val_tags = config.es_manager.val.env_configs.tags
-            save_rollouts(out / "rollouts" / f"val_step{step}.jsonl", tokenizer, traj, slots, val_tags)
-            return env_metrics(slots, val_tags, "val")
+            save_rollouts(out / "rollouts" / f"val_step{step}.jsonl", tokenizer, traj, rows, val_tags)
+            return env_metrics(rows, traj.tag_ids, traj.scores, val_tags, "val")
 
         total = config.trainer.total_training_steps
         with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out) as writer, \
                 PreemptionHandler() as preemption:
             start = 0
+            echo_trap = EchoTrapMonitor()
             if ckpt.latest_step() is not None:
                 restored, loop, start = ckpt.restore({"actor": actor, "critic": critic})
                 actor, critic = restored["actor"], restored["critic"]
+                writer.discard_after(start)
+                if "echo_trap" in loop:  # absent in checkpoints of older versions
+                    echo_trap.load_state_dict(loop["echo_trap"])
             last: dict[str, float] = {}
-            echo_trap = EchoTrapMonitor()
+
+            def checkpoint(done: int) -> None:
+                loop_state = {"step": done, "echo_trap": echo_trap.state_dict()}
+                ckpt.save(done, {"actor": actor, "critic": critic}, loop_state)
+
+            guard = NonFiniteGuard(config.trainer.max_consecutive_non_finite,
+                                   keys=("actor/consecutive_non_finite", "critic/consecutive_non_finite"))
             if start == 0 and config.trainer.val_before_train:
                 writer.write(0, validate(0))
             with ProgressBar(total, "StarPO", keys=("train/success", "actor/pg_loss"), start=start) as bar:
                 for step in range(start, total):
                     clock = time.perf_counter()
                     seed = config.seed.train + step * config.es_manager.train.env_groups
-                    traj, slots = play(train_sampler, config.es_manager.train, seed, jax.random.fold_in(actor.rng, step))
+                    traj, rows = train_play(nnx.merge_state(actor.params, frozen), seed,
+                                            jax.random.fold_in(actor.rng, step))
                     generation = time.perf_counter() - clock
                     actor, critic, metrics = update(actor, critic, learner, traj, config, len(train_tags))
-                    metrics.update(env_metrics(slots, train_tags, "train"))
-                    metrics["train/success"] = float(np.mean([s.success for s in slots]))
+                    metrics.update(env_metrics(rows, traj.tag_ids, traj.scores, train_tags, "train"))
+                    metrics["train/success"] = float(np.mean([row["success"] for row in rows]))
                     metrics.update({"timing_s/gen": generation, "timing_s/step": time.perf_counter() - clock})
                     if (step + 1) % config.trainer.test_freq == 0:
                         metrics.update(validate(step + 1))
-                        save_rollouts(out / "rollouts" / f"train_step{step + 1}.jsonl", tokenizer, traj, slots,
+                        save_rollouts(out / "rollouts" / f"train_step{step + 1}.jsonl", tokenizer, traj, rows,
                                       train_tags)
                     last = writer.write(step + 1, metrics)
                     for warning in echo_trap.update(step + 1, last):
                         logging.warning(warning)
                     bar.update(step + 1, last)
                     save_freq = config.trainer.save_freq
-                    if preemption.requested() or step + 1 == total or (save_freq > 0 and (step + 1) % save_freq == 0):
-                        ckpt.save(step + 1, {"actor": actor, "critic": critic}, {"step": step + 1})
-                    if preemption.requested():
+                    stop = preemption.requested()  # asked once: a signal between two asks would skip the save
+                    due = stop or step + 1 == total or (save_freq > 0 and (step + 1) % save_freq == 0)
+                    if due:
+                        checkpoint(step + 1)
+                    try:
+                        guard.check(step + 1, last)
+                    except NonFiniteError:  # skipped updates left the last finite parameters: keep them
+                        if not due:
+                            checkpoint(step + 1)
+                        logging.error("saved the last finite state as checkpoint %d in %s", step + 1, ckpt.directory)
+                        raise
+                    if stop:
                         return last
         save_pretrained(nnx.merge(graphdef, actor.params, frozen), out / "hf_model", tokenizer=tokenizer)
     return last
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="starpo-s-ppo", choices=sorted(PRESETS))
+    parser.add_argument("--out", default="runs/starpo", help="metrics, checkpoints and the exported model")
+    parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes (one may be -1) or a MESH_PRESETS name")
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    mesh = make_mesh(mesh_config(args.mesh))
+    if not any("model_path" in o or "model-path" in o for o in overrides):
+        from launch import demo_starpo
+        return demo_starpo.run(Path(args.out), mesh, args.preset, overrides)
+    return train(load_config(args.preset, overrides), mesh, Path(args.out))
 
 
 if __name__ == "__main__":

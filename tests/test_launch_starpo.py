@@ -34,13 +34,13 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-def run(checkpoint, out, steps):
+def run(checkpoint, out, steps, *extra):
     return starpo.main([
         "--preset", "tiny", "--out", str(out), "--mesh", "1,-1,1", f"model_path={checkpoint}",
         "es_manager.train.env_configs.tags=[Bandit]", "es_manager.val.env_configs.tags=[BanditTest]",
         f"trainer.total_training_steps={steps}", "trainer.test_freq=2", "trainer.save_freq=1",
         "actor_rollout_ref.rollout.response_length=8", "actor_rollout_ref.rollout.max_model_len=1024",
-        "agent_proxy.max_turn=1", "ppo_mini_batch_size=8", "micro_batch_size_per_gpu=1"])
+        "agent_proxy.max_turn=1", "ppo_mini_batch_size=8", "micro_batch_size_per_gpu=1", *extra])
 
 
 def test_trainer_runs_logs_ragen_metrics_checkpoints_and_exports(checkpoint, tmp_path):
@@ -65,3 +65,13 @@ def test_micro_batch_not_dividing_the_devices_is_a_clear_error(checkpoint, tmp_p
     with pytest.raises(ValueError, match="ppo_mini_batch_size=4 must be a multiple of micro_batch_size_per_gpu=1"):
         starpo.main(["--preset", "tiny", "--out", str(tmp_path), f"model_path={checkpoint}",
                      "micro_batch_size_per_gpu=1"])
+
+
+def test_fused_driver_validates_like_the_host_driver(checkpoint, tmp_path):
+    """``agent_proxy.rollout_driver=fused`` in the trainer: greedy validation equals the host driver's, row by row."""
+    sampled_ids = ["train_on_sampled_ids=True", "actor_rollout_ref.rollout.val_kwargs.do_sample=False"]
+    for driver in ("host", "fused"):
+        last = run(checkpoint, tmp_path / driver, 1, f"agent_proxy.rollout_driver={driver}", *sampled_ids)
+        assert "train/Bandit/success" in last and "actor/pg_loss" in last
+    host, fused = ((tmp_path / d / "rollouts" / "val_step0.jsonl").read_text() for d in ("host", "fused"))
+    assert fused == host and len(host.splitlines()) == 8

@@ -1,0 +1,192 @@
+"""The embedded StarPO demo: ``python -m launch.starpo`` with no model, nothing downloaded.
+
+1. Tokenizer: a byte-level BPE trained on RAGEN's text of Bandit and FrozenLake
+   (instructions, turn boilerplate, responses; grid states are left out, so grids
+   stay at character level), loaded back through ``transformers``.
+2. Model: a small random Qwen2-architecture policy, saved as a Hugging Face folder.
+3. Supervised warm-up on demonstrations (``starpo_jax.demonstrations``): FrozenLake
+   follows the solver's most likely path, Bandit pulls a random arm, so the policy
+   learns the format and starts at chance on Bandit.
+4. StarPO-S, one stage per environment (Bandit, then FrozenLake from the Bandit
+   result), each ``launch.starpo.train`` on the previous stage's exported model;
+   validation on held-out seeds before the first and after the last iteration.
+5. PNG plots (the Echo Trap panel per stage, the SFT curve) and ``summary.json``.
+
+Outputs under ``--out``: ``tokenizer/``, ``init/``, ``sft/`` (HF folders),
+``logs/sft`` (metrics), ``rl_<tag>/`` (metrics JSONL + TensorBoard, rollouts,
+checkpoints, ``hf_model``), ``plots/``. Finished parts are reused when rerun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from runtime.metrics import MetricWriter, read_jsonl
+from runtime.sharding import create_sharded
+from starpo_jax.chat_tokenizer import train_chat_tokenizer
+from starpo_jax.demonstrations import demonstrate
+from starpo_jax.models.config import TransformerConfig
+from starpo_jax.models.hf_io import save_pretrained
+from starpo_jax.models.transformer import CausalLM
+from starpo_jax.plots import plot_echo_trap, plot_sft
+from starpo_jax.presets import load_config
+from starpo_jax.rollout import RolloutSettings, pack_trajectory
+from starpo_jax.sft import fit
+from starpo_jax.trajectory import render_chat
+
+# Demonstrations use seeds far from RAGEN's train (10000 + …) and validation (123 + …) seeds.
+DEMO_SEED = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One StarPO-S run on ``tag``: RAGEN ``key=value`` overrides on top of the preset."""
+
+    tag: str
+    max_turn: int
+    response_length: int
+    max_model_len: int
+    overrides: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Sizes and step counts of the demo; ``fast()`` is the test configuration."""
+
+    vocab_size: int = 768
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    demos: tuple[tuple[str, int, float], ...] = (("Bandit", 128, 0.0), ("FrozenLake", 384, 0.5))
+    actions_per_turn: int = 3
+    sft_steps: int = 150
+    sft_batch_size: int = 8
+    sft_lr: float = 2e-3
+    rollout_bucket: int = 64
+    stages: tuple[Stage, ...] = (
+        Stage("Bandit", 1, 16, 320, (
+            "es_manager.train.env_groups=8", "es_manager.train.group_size=8", "es_manager.val.env_groups=128",
+            "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=16",
+            "micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
+            "actor_rollout_ref.actor.optim.lr=1e-4", "critic.optim.lr=1e-3")),
+        Stage("FrozenLake", 3, 24, 640, (
+            "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
+            "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=8",
+            "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
+            "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=1e-3")),
+    )
+
+    @classmethod
+    def fast(cls) -> "DemoConfig":
+        """Every part exercised at the smallest sizes: the end-to-end test configuration."""
+        small = ("es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.val.env_groups=2",
+                 "trainer.total_training_steps=1", "trainer.test_freq=1", "ppo_mini_batch_size=2",
+                 "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=1")
+        return cls(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                   num_kv_heads=1, demos=(("Bandit", 4, 0.0), ("FrozenLake", 4, 0.5)), sft_steps=2, sft_batch_size=4,
+                   rollout_bucket=768, stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
+
+
+def stage_overrides(stage: Stage, model_path: Path) -> list[str]:
+    """The stage's env, length and batch keys; trains and validates (held-out seeds) on ``stage.tag``."""
+    values = dict(item.split("=", 1) for item in stage.overrides)
+    train_groups, val_groups = values["es_manager.train.env_groups"], values["es_manager.val.env_groups"]
+    return [f"model_path={model_path}", f"agent_proxy.max_turn={stage.max_turn}",
+            f"actor_rollout_ref.rollout.response_length={stage.response_length}",
+            f"actor_rollout_ref.rollout.max_model_len={stage.max_model_len}",
+            f"es_manager.train.env_configs.tags=[{stage.tag}]", f"es_manager.train.env_configs.n_groups=[{train_groups}]",
+            "es_manager.val.group_size=1", f"es_manager.val.env_configs.tags=[{stage.tag}]",
+            f"es_manager.val.env_configs.n_groups=[{val_groups}]", *stage.overrides]
+
+
+def tokenizer_corpus(slots: Sequence) -> list[str]:
+    """The demonstrations' chat text with grid states blanked (grids stay at character level)."""
+    texts = []
+    for slot in slots:
+        history = [dataclasses.replace(t, state="") if slot.env.grid_vocab and t.state else t for t in slot.history]
+        texts.append("".join(m["content"] for m in render_chat(slot.prefix, history, max_tokens=slot.env.max_tokens)))
+    return texts
+
+
+def build_policy(config: DemoConfig, tokenizer, mesh: Mesh, folder: Path) -> CausalLM:
+    """A random small Qwen2 (tied embeddings, q/k/v biases) saved to ``folder``."""
+    model_config = TransformerConfig(
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_dim=config.hidden_size // config.num_heads, tie_word_embeddings=True, attention_bias=True,
+        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = create_sharded(lambda: CausalLM(model_config, rngs=nnx.Rngs(0)), mesh)
+    save_pretrained(model, folder, tokenizer=tokenizer)
+    return model
+
+
+def warm_up(config: DemoConfig, out: Path, mesh: Mesh) -> Path:
+    """Tokenizer, random policy and SFT on demonstrations; returns the SFT model folder."""
+    sft_folder = out / "sft"
+    if (sft_folder / "config.json").exists():
+        return sft_folder
+    max_turn = {stage.tag: stage.max_turn for stage in config.stages}
+    slots = []
+    for tag_id, (tag, count, noise) in enumerate(config.demos):
+        seeds = range(DEMO_SEED + tag_id * count, DEMO_SEED + (tag_id + 1) * count)
+        slots += demonstrate(tag, seeds, max_turn[tag], config.actions_per_turn, noise, tag_id=tag_id)
+    tokenizer = train_chat_tokenizer(tokenizer_corpus(slots), out / "tokenizer", config.vocab_size)
+    with jax.set_mesh(mesh):
+        model = build_policy(config, tokenizer, mesh, out / "init")
+        demos = pack_trajectory(tokenizer, slots, RolloutSettings(max_model_len=4096, bucket=config.rollout_bucket))
+        with MetricWriter(out / "logs" / "sft") as writer:
+            model = fit(model, demos, mesh, steps=config.sft_steps, batch_size=config.sft_batch_size,
+                        lr=config.sft_lr, writer=writer)
+        save_pretrained(model, sft_folder, tokenizer=tokenizer)
+    return sft_folder
+
+
+def held_out_success(metrics_path: Path, tag: str) -> tuple[float, float]:
+    """Validation success before the first and after the last StarPO iteration."""
+    values = [row[f"val/{tag}/success"] for row in read_jsonl(metrics_path) if f"val/{tag}/success" in row]
+    return values[0], values[-1]
+
+
+def run(out: Path, mesh: Mesh, preset: str = "starpo-s-ppo", overrides: Sequence[str] = (),
+        config: DemoConfig = DemoConfig()) -> dict[str, float]:
+    """Runs the whole demo into ``out``; returns the summary (held-out success before / after, wall time).
+
+    ``overrides`` (RAGEN ``key=value``) apply to every StarPO stage after the demo's own.
+    """
+    from launch.starpo import train
+
+    clock = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    model_path = warm_up(config, out, mesh)
+    (out / "plots").mkdir(exist_ok=True)
+    plot_sft(out / "logs" / "sft" / "metrics.jsonl", out / "plots" / "sft.png")
+    summary: dict[str, float] = {}
+    for stage in config.stages:
+        stage_out = out / f"rl_{stage.tag.lower()}"
+        rl_config = load_config(preset, [*stage_overrides(stage, model_path), *overrides])
+        train(rl_config, mesh, stage_out, rollout_bucket=config.rollout_bucket)
+        before, after = held_out_success(stage_out / "metrics.jsonl", stage.tag)
+        summary[f"{stage.tag}/success_after_sft"], summary[f"{stage.tag}/success_after_rl"] = before, after
+        plot_echo_trap(stage_out / "metrics.jsonl", out / "plots" / f"rl_{stage.tag.lower()}.png",
+                       title=f"StarPO-S ({preset}) on {stage.tag}")
+        model_path = stage_out / "hf_model"
+    summary["wall_time_s"] = time.perf_counter() - clock
+    summary["load_average_1min"] = os.getloadavg()[0]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for stage in config.stages:
+        print(f"{stage.tag:>12}: held-out success {summary[f'{stage.tag}/success_after_sft']:.1%} after SFT -> "
+              f"{summary[f'{stage.tag}/success_after_rl']:.1%} after StarPO-S")
+    print(f"wall time {summary['wall_time_s']:.0f} s (load average {summary['load_average_1min']:.1f} on "
+          f"{os.cpu_count()} cores); plots in {out / 'plots'}")
+    return summary

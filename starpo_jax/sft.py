@@ -1,0 +1,95 @@
+"""Supervised warm-up: next-token cross-entropy on the assistant turns of demonstrations.
+
+Demonstrations are packed exactly like rollouts (``starpo_jax.rollout.pack_trajectory``),
+so the supervised tokens are the ones StarPO later trains: the positions of the
+trajectory's ``loss_mask`` (spec §7). The loss is the token mean of
+``−log π(token_{j+1} | tokens_{≤j})`` over those positions; one step is a pure
+function compiled with ``runtime.train_state.compile_step`` (AdamW after global-norm
+clipping, learning rate decayed to zero on a cosine, so the last batches do not
+decide between equally demonstrated actions).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from runtime.mesh import batch_sharding
+from runtime.metrics import MetricWriter, ProgressBar
+from runtime.sharding import shardings_of
+from runtime.train_state import TrainState, compile_step, init_train_state
+from starpo_jax.losses import aggregate_loss
+from starpo_jax.masked import masked_mean
+from starpo_jax.steps import split_trainable, token_log_probs
+from starpo_jax.trajectory import Trajectory
+
+
+class SFTBatch(NamedTuple):
+    """Token ids and attention mask ``[B, L]``, loss mask ``[B, L − 1]`` (position j predicts token j + 1)."""
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    loss_mask: jax.Array
+
+
+def sft_loss(logits: jax.Array, batch: SFTBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Token-mean negative log-likelihood over the loss mask, and the next-token accuracy."""
+    log_probs, _ = token_log_probs(logits, batch.input_ids, 1.0)
+    loss = aggregate_loss(-log_probs, batch.loss_mask, "token-mean")
+    correct = (jnp.argmax(logits[:, :-1], axis=-1) == batch.input_ids[:, 1:]).astype(jnp.float32)
+    return loss, {"sft/loss": loss, "sft/accuracy": masked_mean(correct, batch.loss_mask)}
+
+
+def make_sft_step(graphdef: nnx.GraphDef, tx) -> Callable:
+    """``step(state, frozen, SFTBatch) -> (state, metrics)``: one optimiser step of ``sft_loss``."""
+    def step(state: TrainState, frozen: nnx.State, batch: SFTBatch):
+        def loss_fn(params):
+            logits, _ = nnx.merge(graphdef, params, frozen)(batch.input_ids, batch.attention_mask)
+            return sft_loss(logits, batch)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        metrics["sft/grad_norm"] = optax.tree.norm(grads)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1, state.rng), metrics
+
+    return step
+
+
+def epoch_batches(demos: Trajectory, batch_size: int, rng: np.random.Generator) -> Iterator[SFTBatch]:
+    """Shuffled mini-batches of ``batch_size`` rows, repeating the demonstrations without end."""
+    rows = len(demos.input_ids)
+    if rows < batch_size:
+        raise ValueError(f"{rows} demonstrations are fewer than the SFT batch size {batch_size}")
+    while True:
+        order = rng.permutation(rows)
+        for start in range(0, rows - batch_size + 1, batch_size):
+            take = order[start:start + batch_size]
+            yield SFTBatch(demos.input_ids[take], demos.attention_mask[take], demos.loss_mask[take])
+
+
+def fit(model: nnx.Module, demos: Trajectory, mesh: Mesh, *, steps: int, batch_size: int, lr: float,
+        seed: int = 0, writer: MetricWriter | None = None) -> nnx.Module:
+    """Trains every parameter of ``model`` for ``steps`` mini-batches of ``demos`` (peak learning rate
+    ``lr``); returns the model.
+
+    Metrics ``sft/{loss,accuracy,grad_norm}`` go to ``writer`` every step; a progress bar shows them.
+    """
+    graphdef, params, frozen = split_trainable(model, lora=False)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(optax.cosine_decay_schedule(lr, steps), weight_decay=0.01))
+    state = init_train_state(params, tx, jax.random.key(seed), mesh)
+    step = compile_step(make_sft_step(graphdef, tx), state, shardings_of(frozen), batch_sharding(mesh, 2))
+    batches = epoch_batches(demos, batch_size, np.random.default_rng(seed))
+    with ProgressBar(steps, "SFT", keys=("sft/loss", "sft/accuracy")) as bar:
+        for i in range(steps):
+            state, metrics = step(state, frozen, jax.device_put(next(batches), batch_sharding(mesh, 2)))
+            if writer is not None:
+                metrics = writer.write(i + 1, metrics)
+            bar.update(i + 1, {k: float(v) for k, v in metrics.items()})
+    return nnx.merge(graphdef, state.params, frozen)

@@ -1,0 +1,52 @@
+"""The README's main job (``python -m launch.starpo`` without a model) end to end at test sizes."""
+
+import json
+
+import jax
+import pytest
+
+from launch import demo_starpo
+from runtime.mesh import MeshConfig, make_mesh
+from runtime.metrics import read_jsonl
+from starpo_jax.demonstrations import demonstrate
+from starpo_jax.tokenizer import load_tokenizer
+
+STAGE_KEYS = ("success", "num_actions", "action_is_effective", "action_is_valid", "reward/mean", "reward/std")
+TRAIN_KEYS = ("rollout/in_group_std", "rollout/chosen_in_group_std", "actor/pg_loss", "actor/entropy_loss",
+              "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "critic/vf_loss", "critic/grad_norm",
+              "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/step")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    return out, demo_starpo.run(out, mesh, config=demo_starpo.DemoConfig.fast())
+
+
+def test_main_job_writes_every_metric_plot_and_model(demo):
+    out, summary = demo
+    assert set(summary) == {"Bandit/success_after_sft", "Bandit/success_after_rl", "FrozenLake/success_after_sft",
+                            "FrozenLake/success_after_rl", "wall_time_s", "load_average_1min"}
+    assert json.loads((out / "summary.json").read_text()) == summary
+    sft = read_jsonl(out / "logs" / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in sft] == [1, 2] and {"sft/loss", "sft/accuracy", "sft/grad_norm"} <= set(sft[-1])
+    for tag in ("Bandit", "FrozenLake"):
+        stage = out / f"rl_{tag.lower()}"
+        rows = read_jsonl(stage / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [0, 1]
+        assert {f"val/{tag}/{k}" for k in STAGE_KEYS} <= set(rows[0])
+        assert {f"val/{tag}/{k}" for k in STAGE_KEYS} | {f"train/{tag}/{k}" for k in STAGE_KEYS} \
+            | set(TRAIN_KEYS) <= set(rows[1])
+        assert (stage / "checkpoints" / "1").is_dir() and (stage / "hf_model" / "model.safetensors").exists()
+        assert (out / "plots" / f"rl_{tag.lower()}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "plots" / "sft.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((out / "rl_bandit").glob("events.out.tfevents.*"))
+
+
+def test_tokenizer_keeps_grids_at_character_level(demo):
+    out, _ = demo
+    tokenizer = load_tokenizer(out / "tokenizer")
+    assert tokenizer.tokenize("_P__\nO_G_") == ["_", "P", "_", "_", "Ċ", "O", "_", "G", "_"]
+    corpus = demo_starpo.tokenizer_corpus(demonstrate("FrozenLake", [3], max_turn=1))
+    assert "State:\n\nYou have 10 actions left" in corpus[0]

@@ -1,0 +1,92 @@
+"""Supervised warm-up pieces: demonstrations in RAGEN's format, the masked SFT loss, the Echo Trap plot."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import envs
+from envs.solvers import solve_frozen_lake
+from envs.text import parse_response
+from starpo_jax.demonstrations import demonstrate
+from starpo_jax.plots import ema, env_tags, plot_echo_trap, series
+from starpo_jax.sft import SFTBatch, epoch_batches, sft_loss
+from starpo_jax.trajectory import Trajectory
+
+
+def test_bandit_demonstrations_pull_each_arm_half_the_time_in_ragen_format():
+    slots = demonstrate("Bandit", range(40), max_turn=1)
+    arms, chose_first_listed = [], []
+    for slot in slots:
+        parsed = parse_response(slot.history[0].llm_response)
+        assert parsed.matched and slot.done and slot.penalty == 0
+        arms.append(parsed.actions[0])
+        chose_first_listed.append(arms[-1] == slot.history[0].state.split("named ")[1].split(" and")[0])
+    assert arms.count("Dragon") == arms.count("Phoenix") == 20
+    assert 0 < sum(chose_first_listed) < len(slots)
+    assert np.mean([s.success for s in slots]) == 0.5
+
+
+def test_frozen_lake_demonstrations_follow_the_solver_each_turn():
+    env = envs.make("FrozenLake")
+    slot = demonstrate("FrozenLake", [7], max_turn=1, actions_per_turn=2)[0]
+    from starpo_jax.env_manager import GymnaxHostEnv
+    fresh = GymnaxHostEnv(env)
+    fresh.reset(7)
+    plan, _ = solve_frozen_lake(np.asarray(fresh.state.desc), int(fresh.state.position))
+    parsed = parse_response(slot.history[0].llm_response)
+    assert parsed.actions == [env.action_names[a] for a in plan[:2]]
+    assert slot.history[0].llm_response == f"<think>I avoid the holes and go to the goal.</think><answer>" \
+                                           f"{' || '.join(parsed.actions)}</answer>"
+
+
+def test_unknown_demonstrator_is_a_clear_error():
+    with pytest.raises(ValueError, match="no demonstrator for environment tag 'SimpleSokoban'"):
+        demonstrate("SimpleSokoban", [0], max_turn=1)
+
+
+def test_sft_loss_is_the_masked_token_mean_nll():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+    ids = rng.integers(0, 7, (2, 5)).astype(np.int32)
+    mask = np.array([[0, 1, 1, 0], [1, 0, 0, 1]], np.float32)
+    loss, metrics = sft_loss(jnp.asarray(logits), SFTBatch(jnp.asarray(ids), jnp.ones((2, 5)), jnp.asarray(mask)))
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll, hits = [], []
+    for b, j in zip(*np.nonzero(mask)):
+        nll.append(-log_softmax[b, j, ids[b, j + 1]])
+        hits.append(np.argmax(logits[b, j]) == ids[b, j + 1])
+    np.testing.assert_allclose(float(loss), np.mean(nll), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["sft/accuracy"]), np.mean(hits), rtol=1e-5)
+
+
+def test_epoch_batches_cover_every_demonstration_once_per_epoch():
+    n = 6
+    demos = Trajectory(np.arange(n)[:, None].repeat(3, 1), np.ones((n, 3)), None, np.ones((n, 2)), None, None,
+                       None, None)
+    batches = epoch_batches(demos, 3, np.random.default_rng(0))
+    first_epoch = np.concatenate([next(batches).input_ids[:, 0] for _ in range(2)])
+    assert sorted(first_epoch) == list(range(n))
+    with pytest.raises(ValueError, match="6 demonstrations are fewer than the SFT batch size 8"):
+        next(epoch_batches(demos, 8, np.random.default_rng(0)))
+
+
+def test_echo_trap_plot_reads_every_panel_metric(tmp_path):
+    rows = [{"step": 0, "val/Bandit/success": 0.5},
+            *({"step": s, "train/Bandit/success": 0.1 * s, "train/Bandit/reward/mean": 0.2,
+               "train/Bandit/reward/std": 0.1, "rollout/in_group_std": 0.3, "rollout/chosen_in_group_std": 0.4,
+               "actor/grad_norm": "nan" if s == 2 else 1.0, "critic/grad_norm": 2.0, "actor/entropy_loss": 0.6,
+               "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0} for s in (1, 2, 3))]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert env_tags(rows) == ["Bandit"]
+    steps, values = series(rows, "actor/grad_norm")
+    assert steps.tolist() == [1, 3] and values.tolist() == [1.0, 1.0]
+    plotted = plot_echo_trap(path, tmp_path / "panel.png")
+    assert set(plotted) == {name for row in rows for name in row} - {"step"}
+    assert (tmp_path / "panel.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ema_matches_hand_worked_values():
+    np.testing.assert_allclose(ema(np.array([1.0, 0.0, 1.0]), weight=0.5), [1.0, 0.5, 0.75])

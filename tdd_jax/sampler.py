@@ -71,7 +71,7 @@ class EpsModel(Protocol):
 
 def module_eps_fn(model: EpsModel, lora_scale: float = 1.0) -> EpsFn:
     """``eps_fn(x, t, cond)`` of a module following ``EpsModel``, with cond a ``Conditioning``."""
-    return lambda x, t, cond: model(x, t, cond.context, added_cond=cond.added, lora_scale=lora_scale)
+    return lambda x, t, cond: model(x, t, cond.context, cond.added, lora_scale=lora_scale)
 
 
 def classifier_free_guidance(eps_cond: jax.Array, eps_uncond: jax.Array, scale: jax.Array | float) -> jax.Array:

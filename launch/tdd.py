@@ -1,0 +1,333 @@
+"""Target-Driven Distillation: distil a diffusers SD1.5 / SDXL folder into a LoRA, sample with it, export it.
+
+    python -m launch.tdd                                        # the embedded digits demo (launch/tdd_demo.py)
+    python -m launch.tdd distil --preset sdxl teacher=/models/sdxl-base data=/data/shards out=runs/tdd_sdxl
+    python -m launch.tdd sample teacher=/models/sdxl-base lora=runs/tdd_sdxl/lora.safetensors \\
+        'prompts=[a photo of a cat]' steps=4 eta=0.2 guidance=1.7 out=samples
+    python -m launch.tdd export run=runs/tdd_sdxl format=peft out=runs/tdd_sdxl/lora_peft.safetensors
+
+``distil`` caches VAE latents and text embeddings of ``data`` (an image–caption folder or webdataset
+shards) in ``<out>/cache``, trains LoRA adapters on the UNet with ``tdd_jax.distill``, writes metrics
+(``metrics.jsonl`` + TensorBoard) and checkpoints (resumed automatically, exactly; SIGTERM saves and
+exits) and finally the LoRA as ``<out>/lora.safetensors`` (kohya keys with ``.alpha``). Presets ``sdxl``
+and ``sd15`` carry the reference hyperparameters (spec §9); ``tiny`` is for tests.
+Options are ``key=value`` (or ``--key value``) overrides of the dataclasses below; bad values fail
+before anything is loaded or compiled, naming the field, file or key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from PIL import Image
+
+from launch.tdd_loop import distil_loop
+from runtime.checkpoint import Checkpointer
+from runtime.config import parse_config
+from runtime.mesh import MeshConfig, make_mesh
+from tdd_jax.data import build_cache, iter_source, load_cache, save_image_grid, to_uint8
+from tdd_jax.distill import (DistillConfig, Unconditional, compile_distill_step, init_distill_state,
+                             make_distill_step, split_model, unconditional_embedding)
+from tdd_jax.models.clip import prompt_embeddings, tokenize
+from tdd_jax.models.diffusers_io import load_pipeline, read_config
+from tdd_jax.models.lora import LoraConfig, add_lora
+from tdd_jax.models.lora_io import export_kohya, export_peft, import_lora, read_lora_file
+from tdd_jax.sampler import Conditioning, make_sampling_plan, module_eps_fn, tdd_sample
+from tdd_jax.schedules import alphas_cumprod_from_config
+
+EXPORTERS = {"kohya": export_kohya, "peft": export_peft}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistilRunConfig:
+    """A distillation run. ``batch_size`` is global; ``distill.num_microbatches`` accumulates gradients.
+
+    ``cache`` defaults to ``<out>/cache``; it is built from ``data`` when it holds no shards.
+    ``mesh`` is (data, fsdp, tensor), one entry may be -1.
+    """
+
+    teacher: str = ""
+    data: str = ""
+    cache: str = ""
+    out: str = "runs/tdd"
+    resolution: int = 1024
+    batch_size: int = 512
+    max_train_steps: int = 100_000
+    checkpointing_steps: int = 5000
+    lora_rank: int = 64
+    lora_alpha: float = 8.0
+    seed: int = 453645634
+    mesh: tuple[int, int, int] = (1, -1, 1)
+    unet_dtype: str = "float32"
+    remat: bool = False
+    random_flip: bool = False
+    use_fix_crop_and_size: bool = True
+    distill: DistillConfig = DistillConfig(num_microbatches=4)
+
+
+DISTIL_PRESETS = {
+    # train_tdd.sh: 16 per GPU x 8 GPUs x 4 accumulation steps, lr 1e-6, N_ddim 250, huber, p_empty 0.2, zeros.
+    "sdxl": DistilRunConfig(),
+    # train/SD15/train_tdd.py defaults (512 px, N_ddim 50, lr 1e-4, l2, wd 1e-2, encoded ""), but p_empty 0.2
+    # (spec §18.12); SDXL's batch.
+    "sd15": DistilRunConfig(resolution=512, distill=DistillConfig(
+        num_ddim_timesteps=50, learning_rate=1e-4, loss_type="l2", adam_weight_decay=1e-2,
+        teacher_uncond="empty_prompt", num_microbatches=4)),
+    "tiny": DistilRunConfig(resolution=8, batch_size=8, max_train_steps=4, checkpointing_steps=1, lora_rank=4,
+                            lora_alpha=4.0, seed=0, distill=DistillConfig(num_ddim_timesteps=50, learning_rate=1e-3,
+                                                                          teacher_uncond="empty_prompt")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """TDD sampling (spec §11-12) with a LoRA on the teacher; ``lora=""`` samples the teacher itself.
+
+    ``guidance`` is the CFG scale on the distilled model (1: one pass, the distilled guidance).
+    ``inference_uncond``: ``empty_prompt`` encodes ``negative_prompt``; ``zeros`` as stock SDXL pipelines.
+    ``lora_alpha`` applies to adapters whose file stores no alpha. ``t_l`` ≥ 0 clips x̂0 on steps 0..t_l.
+    """
+
+    teacher: str = ""
+    lora: str = ""
+    lora_alpha: float | None = None
+    prompts: tuple[str, ...] = ("a photo of a cat",)
+    negative_prompt: str = ""
+    inference_uncond: str = "empty_prompt"
+    steps: int = 4
+    eta: float = 0.2
+    guidance: float = 1.7
+    num_ddim_timesteps: int = 250
+    special_jump: bool = False
+    t_l: int = -1
+    resolution: int = 0
+    seed: int = 0
+    out: str = "samples"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """LoRA of checkpoint ``step`` (default the latest) of distil run ``run`` as ``kohya`` or ``peft`` keys."""
+
+    run: str = ""
+    step: int | None = None
+    format: str = "kohya"
+    out: str = ""
+
+
+def fail(field: str, message: str) -> None:
+    raise ValueError(f"{field}: {message}")
+
+
+def check_teacher(folder: str, field: str = "teacher") -> dict:
+    """The teacher's UNet config, after checking the diffusers folder layout; errors name the missing file."""
+    if not folder:
+        fail(field, "give a diffusers pipeline folder, e.g. teacher=/models/stable-diffusion-v1-5")
+    for needed in ("model_index.json", "unet/config.json", "scheduler/scheduler_config.json"):
+        if not os.path.isfile(os.path.join(folder, needed)):
+            fail(field, f"{folder!r} is not a diffusers pipeline folder: missing {needed}")
+    unet = read_config(os.path.join(folder, "unet"))
+    if unet.get("addition_embed_type") == "text_time":
+        with open(os.path.join(folder, "model_index.json")) as f:
+            if not (json.load(f).get("text_encoder_2") or [None])[0]:
+                fail(field, f"the UNet in {folder!r} is SDXL (addition_embed_type='text_time') but model_index.json "
+                            "lists no text_encoder_2")
+    return unet
+
+
+def vae_factor(folder: str) -> int:
+    return 2 ** (len(read_config(os.path.join(folder, "vae"))["block_out_channels"]) - 1)
+
+
+def check_distil(cfg: DistilRunConfig) -> dict:
+    """Validates a run before anything is loaded or compiled; returns the teacher's UNet config."""
+    unet = check_teacher(cfg.teacher)
+    for field in ("resolution", "batch_size", "max_train_steps", "checkpointing_steps", "lora_rank"):
+        if getattr(cfg, field) < 1:
+            fail(field, f"must be >= 1, got {getattr(cfg, field)}")
+    cache = cfg.cache or os.path.join(cfg.out, "cache")
+    has_cache = os.path.isdir(cache) and any(n.startswith("shard_") for n in os.listdir(cache))
+    if not has_cache and not (cfg.data and os.path.exists(cfg.data)):
+        fail("data", f"{cfg.data!r} does not exist and the cache {cache!r} holds no shards")
+    micro = cfg.distill.num_microbatches
+    if cfg.batch_size % micro:
+        fail("distill.num_microbatches", f"{micro} must divide batch_size={cfg.batch_size}")
+    data, fsdp, _ = MeshConfig(*cfg.mesh).shape(jax.device_count())
+    if (cfg.batch_size // micro) % (data * fsdp):
+        fail("batch_size", f"{cfg.batch_size} / num_microbatches {micro} must be a multiple of the "
+                           f"{data * fsdp} data-parallel devices of mesh={cfg.mesh}")
+    levels = 2 ** (len(unet["block_out_channels"]) - 1)
+    if cfg.resolution % (vae_factor(cfg.teacher) * levels):
+        fail("resolution", f"{cfg.resolution} must be divisible by the VAE factor times the UNet's "
+                           f"{levels}x downsampling ({vae_factor(cfg.teacher) * levels})")
+    return unet
+
+
+_run_encoder = nnx.jit(lambda encoder, ids: encoder(ids))
+
+
+def encode_prompts(pipe, prompts: Sequence[str], sdxl: bool) -> Conditioning:
+    """SD1.5: last hidden states; SDXL: both encoders' penultimate states and the pooled projection."""
+    pairs = [(pipe.tokenizer, pipe.text_encoder)] + ([(pipe.tokenizer_2, pipe.text_encoder_2)] if sdxl else [])
+    outputs = []
+    for tokenizer, encoder in pairs:
+        ids = tokenize(tokenizer, prompts, min(tokenizer.model_max_length, encoder.cfg.max_position_embeddings))
+        outputs.append(_run_encoder(encoder, jnp.asarray(ids)))
+    context, pooled = prompt_embeddings(outputs)
+    return Conditioning(np.asarray(context), {"text_embeds": np.asarray(pooled)} if sdxl else None)
+
+
+def cache_data(cfg: DistilRunConfig, cache: Path, sdxl: bool, mesh) -> None:
+    """VAE latents (``latent_dist.sample()``, scaled) and text embeddings of ``cfg.data``, with progress."""
+    parts = ("vae", "text_encoder", "tokenizer") + (("text_encoder_2", "tokenizer_2") if sdxl else ())
+    pipe = load_pipeline(cfg.teacher, mesh, components=parts)
+    encode = nnx.jit(lambda vae, x, key: vae.scale_latents(vae.encode(x).sample(key)))
+    keys = iter(jax.random.split(jax.random.key(cfg.seed), 1 << 20))
+    build_cache(iter_source(cfg.data), lambda x: np.asarray(encode(pipe.vae, jnp.asarray(x), next(keys))),
+                lambda captions: encode_prompts(pipe, captions, sdxl), cache, cfg.resolution, seed=cfg.seed,
+                random_flip=cfg.random_flip, use_fix_crop_and_size=cfg.use_fix_crop_and_size)
+
+
+def build_student(cfg: DistilRunConfig, mesh):
+    """The teacher's UNet with fresh LoRA adapters, split for distillation, plus its ᾱ table."""
+    pipe = load_pipeline(cfg.teacher, mesh, components=("unet", "scheduler_config"),
+                         unet_overrides={"dtype": cfg.unet_dtype, "remat": cfg.remat})
+    add_lora(pipe.unet, LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha), nnx.Rngs(cfg.seed), mesh)
+    graphdef, params, frozen = split_model(pipe.unet, lora=True)
+    state = init_distill_state(params, cfg.distill, jax.random.key(cfg.seed), mesh)
+    return graphdef, state, frozen, alphas_cumprod_from_config(pipe.scheduler_config)
+
+
+def distil(cfg: DistilRunConfig) -> dict[str, float]:
+    """Caches the data, distils, checkpoints and writes ``<out>/lora.safetensors``; returns the last metrics."""
+    sdxl = check_distil(cfg).get("addition_embed_type") == "text_time"
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    mesh = make_mesh(MeshConfig(*cfg.mesh))
+    cache = Path(cfg.cache or out / "cache")
+    with jax.set_mesh(mesh):
+        if not (cache.is_dir() and any(p.name.startswith("shard_") for p in cache.iterdir())):
+            cache_data(cfg, cache, sdxl, mesh)
+        data, empty = load_cache(cache)
+        if data.latents.shape[0] < cfg.batch_size:
+            fail("batch_size", f"{cfg.batch_size} is larger than the {data.latents.shape[0]} cached examples in {cache}")
+        graphdef, state, frozen, abar = build_student(cfg, mesh)
+        uncond = Unconditional(empty, unconditional_embedding(empty, cfg.distill.teacher_uncond))
+        example = jax.tree.map(lambda x: x[:cfg.batch_size], data)
+        step = compile_distill_step(make_distill_step(graphdef, cfg.distill.schedule(abar), cfg.distill), state,
+                                    frozen, example, mesh)
+        state, last = distil_loop(step, state, frozen, uncond, data, mesh, steps=cfg.max_train_steps,
+                                  batch_size=cfg.batch_size, seed=cfg.seed, out=out,
+                                  checkpoint_every=cfg.checkpointing_steps)
+        if int(state.step) == cfg.max_train_steps:
+            export_kohya(nnx.merge(graphdef, state.params, frozen.base), str(out / "lora.safetensors"))
+    return last
+
+
+def export(cfg: ExportConfig) -> Path:
+    """Rebuilds the run's student, restores the checkpoint and writes the LoRA file."""
+    if cfg.format not in EXPORTERS:
+        fail("format", f"must be one of {sorted(EXPORTERS)}, got {cfg.format!r}")
+    config_path = Path(cfg.run) / "config.json"
+    if not config_path.is_file():
+        fail("run", f"{cfg.run!r} is not a distil run folder: missing config.json")
+    saved = json.loads(config_path.read_text())
+    run = DistilRunConfig(**{**saved, "mesh": (1, -1, 1), "distill": DistillConfig(**saved["distill"])})
+    check_teacher(run.teacher, "run's teacher")
+    mesh = make_mesh(MeshConfig(*run.mesh))
+    with jax.set_mesh(mesh), Checkpointer(Path(cfg.run) / "checkpoints") as ckpt:
+        graphdef, state, frozen, _ = build_student(run, mesh)
+        state, _, step = ckpt.restore(state, cfg.step)
+        path = Path(cfg.out or Path(cfg.run) / f"lora_{cfg.format}_step{step}.safetensors")
+        EXPORTERS[cfg.format](nnx.merge(graphdef, state.params, frozen.base), str(path))
+    return path
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def sample_module(graphdef, state, x_T, cond, uncond, plan, guidance, key):
+    """``tdd_sample`` of the module ``graphdef``/``state`` (compiled once per graph, step count and guidance)."""
+    return tdd_sample(module_eps_fn(nnx.merge(graphdef, state)), x_T, cond, plan, key, uncond, guidance)
+
+
+def sample(cfg: SampleConfig) -> list[Path]:
+    """Writes one PNG per prompt and a grid ``grid.png`` to ``cfg.out``; returns the image paths."""
+    unet_cfg = check_teacher(cfg.teacher)
+    if cfg.lora and not os.path.isfile(cfg.lora):
+        fail("lora", f"no such file {cfg.lora!r}")
+    if not cfg.prompts:
+        fail("prompts", "give at least one prompt")
+    if cfg.inference_uncond not in ("zeros", "empty_prompt"):
+        fail("inference_uncond", f"must be 'zeros' or 'empty_prompt', got {cfg.inference_uncond!r}")
+    sdxl = unet_cfg.get("addition_embed_type") == "text_time"
+    plan = make_sampling_plan(alphas_cumprod_from_config(cfg.teacher), cfg.steps, cfg.eta, cfg.num_ddim_timesteps,
+                              cfg.special_jump, cfg.t_l)
+    factor, levels = vae_factor(cfg.teacher), 2 ** (len(unet_cfg["block_out_channels"]) - 1)
+    resolution = cfg.resolution or unet_cfg.get("sample_size", 64) * factor
+    if resolution % (factor * levels):
+        fail("resolution", f"{resolution} must be divisible by {factor * levels} (VAE factor x UNet downsampling)")
+    pipe = load_pipeline(cfg.teacher)
+    if cfg.lora:
+        tensors, alpha = read_lora_file(cfg.lora)
+        import_lora(pipe.unet, tensors, cfg.lora_alpha if cfg.lora_alpha is not None else alpha)
+    cond = encode_prompts(pipe, cfg.prompts, sdxl)
+    uncond = encode_prompts(pipe, [cfg.negative_prompt], sdxl)
+    if cfg.inference_uncond == "zeros":
+        uncond = jax.tree.map(np.zeros_like, uncond)
+    if sdxl:
+        time_ids = np.tile(np.array([[resolution, resolution, 0, 0, resolution, resolution]], np.float32),
+                           (len(cfg.prompts), 1))
+        cond = Conditioning(cond.context, {**cond.added, "time_ids": time_ids})
+    size = resolution // factor
+    x_T = jax.random.normal(jax.random.key(cfg.seed), (len(cfg.prompts), size, size, pipe.unet.cfg.in_channels))
+    graphdef, state = nnx.split(pipe.unet)
+    guided = cfg.guidance != 1.0
+    latents = sample_module(graphdef, state, x_T, cond, uncond if guided else None, plan, cfg.guidance,
+                            jax.random.key(cfg.seed + 1))
+    images = np.asarray(nnx.jit(lambda vae, z: vae.decode(vae.unscale_latents(z)))(pipe.vae, latents))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, image in enumerate(to_uint8(images)):
+        paths.append(out / f"{i:03d}.png")
+        Image.fromarray(image).save(paths[-1])
+    save_image_grid(images, out / "grid.png")
+    return paths
+
+
+COMMANDS = ("demo", "distil", "sample", "export")
+
+
+def main(argv: Sequence[str] | None = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "demo"
+    if command == "demo":
+        from launch.tdd_demo import DEMO_PRESETS, DemoConfig, run_demo
+
+        parser = argparse.ArgumentParser(prog="launch.tdd demo")
+        parser.add_argument("--preset", default="default", choices=sorted(DEMO_PRESETS))
+        args, overrides = parser.parse_known_args(argv)
+        return run_demo(parse_config(DemoConfig, DEMO_PRESETS[args.preset], overrides))
+    if command == "distil":
+        parser = argparse.ArgumentParser(prog="launch.tdd distil")
+        parser.add_argument("--preset", default="sdxl", choices=sorted(DISTIL_PRESETS))
+        args, overrides = parser.parse_known_args(argv)
+        return distil(parse_config(DistilRunConfig, DISTIL_PRESETS[args.preset], overrides))
+    if command == "sample":
+        return sample(parse_config(SampleConfig, SampleConfig(), argv))
+    return export(parse_config(ExportConfig, ExportConfig(), argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""launch.tdd end to end on tiny inputs: the digits demo's fast preset; distil / export / sample on a tiny
+diffusers folder written by diffusers itself; clear errors; a SIGKILLed distillation resumes bit-identically."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.numpy import load_file
+
+from launch import tdd
+from launch.tdd_demo import FAST, DemoConfig, run_demo
+from runtime.metrics import read_jsonl
+from tdd_jax.models.diffusers_io import load_unet
+from tdd_jax.models.lora import named_layers
+from tdd_jax.models.lora_io import import_lora, read_lora_file
+from test_tdd_models_io import pipeline_dir  # noqa: F401  (a tiny diffusers folder, reused as a fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_demo_fast_preset_writes_table_and_grids(tmp_path):
+    rows = run_demo(dataclasses.replace(FAST, out=str(tmp_path)))
+    methods = [(r["method"].split(" ")[0], r["steps"]) for r in rows]
+    assert methods == [("real", "-"), ("teacher", 50), ("teacher", 4), ("LCM", 2), ("LCM", 4), ("TCD", 2), ("TCD", 4),
+                       ("TDD", 2), ("TDD", 4)]
+    assert all(np.isfinite(r["fd"]) and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert len(table) == 2 + len(rows) and table[3].startswith("| teacher DDIM (CFG 2) | 50 |")
+    grid = np.asarray(Image.open(tmp_path / "grids" / "TDD (eta 0.2)-4.png"))
+    assert grid.shape == (10 * 16, 2 * 16)  # one row per digit, samples_per_class columns
+    assert (tmp_path / "table.json").is_file() and (tmp_path / "tdd" / "metrics.jsonl").is_file()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(["a red square", "noise", "two dogs", ""][i % 4])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def first_run(pipeline_dir, images, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("run")
+    last = tdd.main(["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"data={images}", f"out={out}"])
+    return out, last
+
+
+def test_distil_writes_metrics_checkpoints_and_a_kohya_lora(first_run):
+    out, last = first_run
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4] and np.isfinite(last["loss"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["3", "4"]  # max_to_keep 2
+    assert len(list((out / "cache").glob("shard_*.npz"))) == 1
+    tensors = load_file(out / "lora.safetensors")
+    assert all(k.startswith("lora_unet_") for k in tensors)
+    assert {float(v) for k, v in tensors.items() if k.endswith(".alpha")} == {4.0}
+    assert any(np.abs(v).max() > 0 for k, v in tensors.items() if k.endswith("lora_up.weight"))  # B left zero
+
+
+def test_export_peft_equals_the_kohya_file_and_sample_writes_pngs(first_run, pipeline_dir, tmp_path):  # noqa: F811
+    out, _ = first_run
+    peft = tdd.main(["export", f"run={out}", "format=peft", f"out={tmp_path / 'peft.safetensors'}"])
+    adapters = []
+    for path in (out / "lora.safetensors", peft):
+        unet = load_unet(str(pipeline_dir / "unet"))
+        import_lora(unet, *read_lora_file(str(path)))
+        adapters.append({n: (np.asarray(m.lora.lora_a.get_value()), np.asarray(m.lora.lora_b.get_value()), m.lora.scale)
+                         for n, m in named_layers(unet).items() if m.lora is not None})
+    assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) > 10
+    for name, (a, b, scale) in adapters[0].items():
+        np.testing.assert_array_equal(a, adapters[1][name][0])
+        np.testing.assert_array_equal(b, adapters[1][name][1])
+        assert scale == adapters[1][name][2] == 1.0
+    paths = tdd.main(["sample", f"teacher={pipeline_dir}", f"lora={out / 'lora.safetensors'}",
+                      "prompts=[a red square,two dogs]", "steps=2", "num_ddim_timesteps=50", "t_l=0",
+                      f"out={tmp_path / 'samples'}"])
+    assert [p.name for p in paths] == ["000.png", "001.png"]
+    assert np.asarray(Image.open(paths[0])).shape == (8, 8, 3)
+    assert (tmp_path / "samples" / "grid.png").is_file()
+
+
+def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images, tmp_path, capsys):  # noqa: F811
+    distil = ["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"data={images}", f"out={tmp_path}"]
+    cases = [
+        (["distil", "--preset", "tiny", f"teacher={tmp_path}"], r"teacher: .* missing model_index.json"),
+        (distil[:4] + [f"data={tmp_path / 'none'}", f"out={tmp_path}"], r"data: .*does not exist"),
+        (distil + ["distill.num_microbatches=3"], r"distill.num_microbatches: 3 must divide batch_size=8"),
+        (distil + ["resolution=7"], r"resolution: 7 must be divisible"),
+        (distil + ["mesh=[1,3,1]"], r"mesh shape"),
+        (["sample", f"teacher={pipeline_dir}", f"lora={tmp_path / 'x.safetensors'}"], r"lora: no such file"),
+        (["export", f"run={tmp_path}"], r"run: .*missing config.json"),
+        (["export", f"run={tmp_path}", "format=ckpt"], r"format: must be one of"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ValueError, match=message):
+            tdd.main(argv)
+    with pytest.raises(SystemExit):  # tyro reports the dataclass's ValueError and exits
+        tdd.main(distil + ["distill.selector=pcm"])
+    assert "DistillConfig.selector must be one of" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="DemoConfig.image_size"):
+        DemoConfig(image_size=20)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def run_distil(pipeline_dir, cache, out):  # noqa: F811
+    """``distil --preset tiny`` in a subprocess with this process's device count and XLA settings (conftest)."""
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache")}
+    cmd = [sys.executable, "-m", "launch.tdd", "distil", "--preset", "tiny", f"teacher={pipeline_dir}",
+           f"cache={cache}", f"out={out}"]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def rows_written(out):
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def test_sigkilled_distillation_resumes_bit_identically(pipeline_dir, first_run, tmp_path):  # noqa: F811
+    """The uninterrupted reference is ``first_run`` (4 steps, a checkpoint after each)."""
+    reference, steps = first_run[0], 4
+    kill_after = int(np.random.default_rng().integers(1, steps - 1))
+    killed = run_distil(pipeline_dir, reference / "cache", tmp_path)
+    deadline = time.monotonic() + 300
+    while rows_written(tmp_path) < kill_after:
+        assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read().decode()[-3000:]
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert rows_written(tmp_path) < steps, f"killed after step {kill_after}: too late to test resuming"
+    resumed = run_distil(pipeline_dir, reference / "cache", tmp_path)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
+    assert read_jsonl(tmp_path / "metrics.jsonl") == read_jsonl(reference / "metrics.jsonl"), \
+        f"killed after step {kill_after}"
+    ours, theirs = (load_file(d / "lora.safetensors") for d in (tmp_path, reference))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=f"{key} (killed after step {kill_after})")

@@ -125,7 +125,8 @@ def rollout_settings(config: StarPOConfig) -> RolloutSettings:
     return RolloutSettings(max_turn=proxy.max_turn, max_actions_per_turn=proxy.max_actions_per_turn,
                            enable_think=proxy.enable_think, format_penalty=config.es_manager.format_penalty,
                            max_model_len=rollout.max_model_len, train_on_sampled_ids=config.train_on_sampled_ids,
-                           enable_response_mask=config.enable_response_mask, mask_alignment=config.mask_alignment)
+                           enable_response_mask=config.enable_response_mask, mask_alignment=config.mask_alignment,
+                           max_context_window=proxy.max_context_window, use_turn_scores=proxy.use_turn_scores)
 
 
 def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32) -> dict[str, float]:

@@ -368,6 +368,12 @@ def _validate_rollout(config: StarPOConfig) -> None:
                                           f"Countdown is host-only (tags {tags}): use agent_proxy.rollout_driver=host")
         _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True "
                                               "(it trains on the ids the decoder saw, decision 10)")
+        _require(not proxy.use_turn_scores and proxy.max_context_window == -1,
+                 "agent_proxy.rollout_driver=fused supports neither agent_proxy.use_turn_scores nor "
+                 "agent_proxy.max_context_window: use agent_proxy.rollout_driver=host")
+    _require(proxy.max_context_window == -1 or not config.train_on_sampled_ids,
+             "agent_proxy.max_context_window re-renders the cut history each turn, so the trajectory is not one "
+             "sampled id sequence: set train_on_sampled_ids=False")
 
 
 def validate(config: StarPOConfig) -> StarPOConfig:

@@ -90,7 +90,7 @@ class Slot:
     terminated: bool = False
     truncated: bool = False
     turn_infos: list[dict] = dataclasses.field(default_factory=list)
-    rewards: list[Any] = dataclasses.field(default_factory=list)
+    turn_rewards: list[list[Any]] = dataclasses.field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -102,7 +102,12 @@ class Slot:
 
     @property
     def score(self) -> float:
-        return float(sum(self.rewards))
+        return float(sum(r for turn in self.turn_rewards for r in turn))
+
+    @property
+    def turn_scores(self) -> list[float]:
+        """Each played turn's summed env reward (RAGEN HEAD ``use_turn_scores``, §7)."""
+        return [float(sum(turn)) for turn in self.turn_rewards]
 
 
 def reset_slot(env: Any, seed: int, group_id: int, tag_id: int) -> Slot:
@@ -130,13 +135,24 @@ def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: 
         slot.penalty += format_penalty
     turn = slot.history[-1]
     turn.llm_response, turn.reward = llm_response, reward_text(step_rewards)
-    slot.rewards.extend(step_rewards)
+    slot.turn_rewards.append(step_rewards)
     slot.turn_infos.append(info)
     if done:
         slot.terminated, slot.truncated = True, not info.get("success", False)
     elif slot.num_actions >= slot.env.max_actions_per_traj:
         slot.terminated = slot.truncated = True
     slot.history.append(Turn(slot.env.render(), slot.env.max_actions_per_traj - slot.num_actions))
+
+
+def apply_context_window(slot: Slot, window: int) -> None:
+    """Keeps the last ``window`` history entries (RAGEN HEAD ``max_context_window``, spec §5); -1 keeps all.
+
+    The cut is written back, so the training sequence, the score and the env metrics cover only
+    the retained turns; each played entry's info and rewards go with it.
+    """
+    dropped = len(slot.history) - window if window > 0 else 0
+    if dropped > 0:
+        del slot.history[:dropped], slot.turn_infos[:dropped], slot.turn_rewards[:dropped]
 
 
 def slot_metrics(slot: Slot) -> dict[str, float]:

@@ -111,7 +111,7 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tupl
                                        rollout.rollout_filter_ratio, rollout.rollout_filter_type,
                                        rollout.rollout_filter_drop_zero_std)
     rows = np.asarray(kept.sample_indices)
-    selected = Trajectory(*(np.asarray(x)[rows] for x in traj))
+    selected = Trajectory(*(None if x is None else np.asarray(x)[rows] for x in traj))
     selected = selected._replace(loss_mask=selected.loss_mask * np.asarray(kept.sample_mask)[:, None])
     return selected, normalized[rows], kept.metrics
 
@@ -143,7 +143,11 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
     if critic is not None:
         values = learner.values(critic.params, learner.critic_frozen, ids, mask) * loss_mask
 
-    rewards = place_scores_on_last_token(normalized, loss_mask.shape[1])
+    if config.agent_proxy.use_turn_scores:  # HEAD: per-turn rewards, not normalised, so no format penalty (§7)
+        rewards = jnp.asarray(batch.turn_rewards)
+    else:
+        rewards = place_scores_on_last_token(normalized, loss_mask.shape[1])
+    metrics["critic/score/mean"] = jnp.mean(jnp.sum(rewards, axis=1))
     algorithm = config.algorithm
     if algorithm.use_kl_in_reward:
         out = apply_kl_penalty(rewards, old_log_probs, ref_log_probs, loss_mask, algorithm.kl_ctrl.kl_coef,
@@ -153,7 +157,7 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
                             lam=algorithm.lam, bi_level_gae=algorithm.bi_level_gae,
                             high_level_gamma=algorithm.high_level_gamma,
                             grpo_length_weight=config.grpo_advantage_length_weight)
-    metrics.update({"critic/score/mean": jnp.mean(normalized), "critic/advantages/mean": masked_mean(adv.advantages, loss_mask),
+    metrics.update({"critic/advantages/mean": masked_mean(adv.advantages, loss_mask),
                     "critic/returns/mean": masked_mean(adv.returns, loss_mask),
                     "response_length/mean": jnp.mean(jnp.sum(loss_mask, axis=1))})
 

@@ -15,13 +15,15 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from envs.text import FORMAT_PENALTY, MAX_ACTIONS_PER_TURN, parse_response
-from starpo_jax.env_manager import Slot, run_turn
+from starpo_jax.env_manager import Slot, apply_context_window, run_turn
 from starpo_jax.models.kv_cache import KVCache
+from starpo_jax.scores import place_turn_scores
 from starpo_jax.trajectory import (Trajectory, chat_tokens, left_pad, loss_mask, position_ids, render_chat,
-                                   render_text)
+                                   render_text, turn_end_suffix_length, turn_indicators)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,8 @@ class RolloutSettings:
     enable_response_mask: bool = True
     mask_alignment: str = "reference"
     bucket: int = 32
+    max_context_window: int = -1
+    use_turn_scores: bool = False
 
 
 def turn_continuation(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
@@ -75,17 +79,24 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     forced = "<think>" if settings.enable_think else "<answer>"
+    window = settings.max_context_window
     fed: list[list[int]] = [[] for _ in slots]
     ended = [True] * len(slots)
     for turn in range(settings.max_turn):
         active = np.array([not slot.done for slot in slots])
         if not active.any():
             break
+        for slot in slots:
+            apply_context_window(slot, window)
+        restart = turn == 0 or window > 0  # a cut history changes the prefix: prefill the window afresh
+        if restart:
+            cache = cache._replace(lengths=jnp.zeros_like(cache.lengths))
+            fed = [[] for _ in slots]
         rows = []
         for i, slot in enumerate(slots):
             if not active[i]:
                 rows.append([])
-            elif turn == 0:
+            elif restart:
                 rows.append(tokenizer.encode(render_text(
                     tokenizer, render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
                                            enable_think=settings.enable_think),
@@ -106,6 +117,8 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
             parsed = parse_response(forced + tokenizer.decode(ids, skip_special_tokens=True),
                                     settings.enable_think, settings.max_actions_per_turn)
             run_turn(slots[i], parsed.llm_response, parsed.actions, settings.format_penalty)
+    for slot in slots:
+        apply_context_window(slot, window)
     if settings.train_on_sampled_ids:
         sequences = [f + ([] if e else [eos]) + tokenizer.encode(training_tail(tokenizer, s, settings),
                                                                  add_special_tokens=False)
@@ -126,20 +139,33 @@ def pack_trajectory(tokenizer: Any, slots: list[Slot], settings: RolloutSettings
             for_update=True), add_special_tokens=False) for s in slots]
     return pack_sequences(tokenizer, sequences, settings, scores=[s.score for s in slots],
                           penalty=[s.penalty for s in slots], group_ids=[s.group_id for s in slots],
-                          tag_ids=[s.tag_id for s in slots])
+                          tag_ids=[s.tag_id for s in slots],
+                          turn_scores=[s.turn_scores for s in slots] if settings.use_turn_scores else None)
 
 
 def pack_sequences(tokenizer: Any, sequences: Sequence[Sequence[int]], settings: RolloutSettings, *,
                    scores: Sequence[float], penalty: Sequence[float], group_ids: Sequence[int],
-                   tag_ids: Sequence[int]) -> Trajectory:
-    """Token sequences as a left-padded, bucketed ``Trajectory`` with its loss mask (both drivers)."""
+                   tag_ids: Sequence[int], turn_scores: Sequence[Sequence[float]] | None = None) -> Trajectory:
+    """Token sequences as a left-padded, bucketed ``Trajectory`` with its loss mask (both drivers).
+
+    With ``turn_scores`` (each row's per-turn rewards) it also holds ``turn_rewards``, those
+    rewards on each assistant turn's end (``scores.place_turn_scores``).
+    """
     ids, attention = bucketed(sequences, tokenizer.pad_token_id, settings.bucket)
     if ids.shape[1] > settings.max_model_len:
         raise ValueError(f"a trajectory of {max(map(len, sequences))} tokens exceeds "
                          f"max_model_len={settings.max_model_len}")
-    mask = loss_mask(ids, attention, chat_tokens(tokenizer), enable_response_mask=settings.enable_response_mask,
+    chat = chat_tokens(tokenizer)
+    mask = loss_mask(ids, attention, chat, enable_response_mask=settings.enable_response_mask,
                      alignment=settings.mask_alignment)
+    turn_rewards = None
+    if turn_scores is not None:
+        padded = np.zeros((len(turn_scores), max(1, max(map(len, turn_scores)))), np.float32)
+        for row, scores_of_row in zip(padded, turn_scores):
+            row[:len(scores_of_row)] = scores_of_row
+        turn_rewards = np.asarray(place_turn_scores(ids, turn_indicators(ids, chat.turn_start_id), padded,
+                                                    chat.turn_end_id, turn_end_suffix_length(tokenizer)))
     return Trajectory(
         input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), loss_mask=np.asarray(mask),
         scores=np.asarray(scores, np.float32), penalty=np.asarray(penalty, np.float32),
-        group_ids=np.asarray(group_ids, np.int32), tag_ids=np.asarray(tag_ids, np.int32))
+        group_ids=np.asarray(group_ids, np.int32), tag_ids=np.asarray(tag_ids, np.int32), turn_rewards=turn_rewards)

@@ -33,7 +33,7 @@ class Turn:
 
 
 def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, enable_think: bool = True,
-                for_update: bool = False, max_context_window: int = -1) -> list[dict[str, str]]:
+                for_update: bool = False) -> list[dict[str, str]]:
     """Chat messages of one trajectory (RAGEN ``get_lm_inputs``).
 
     Args:
@@ -42,11 +42,8 @@ def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, 
       max_tokens: the "Max response length" announced in each state block.
       enable_think: ``<think>…</think><answer>…</answer>`` format (else ``<answer>`` only).
       for_update: training form: drop the final state-only entry and the last Reward message.
-      max_context_window: keep only the last k entries (numbering restarts at Turn 1); -1 keeps all.
     """
     entries = list(history)
-    if max_context_window > 0:
-        entries = entries[-max_context_window:]
     if for_update and entries and entries[-1].llm_response is None:
         entries = entries[:-1]
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prefix}]
@@ -99,6 +96,17 @@ def chat_tokens(tokenizer: Any) -> ChatTokens:
     return ChatTokens(turn_start, closing[-1], len(header))
 
 
+def turn_end_suffix_length(tokenizer: Any) -> int:
+    """Tokens the chat template puts after a message's turn-end token (Qwen: ``\\n``, 1; Llama 3: 0).
+
+    RAGEN HEAD shifts turn rewards by this much (+1 for Qwen, §7).
+    """
+    probe = [{"role": "user", "content": "u"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(probe, tokenize=False), add_special_tokens=False)
+    end = chat_tokens(tokenizer).turn_end_id
+    return len(ids) - 1 - max(i for i, t in enumerate(ids) if t == end)
+
+
 def turn_indicators(input_ids: jax.Array, turn_start_id: int) -> jax.Array:
     """``cumsum(input_ids == turn_start)``: 1 = system, 2 = first user, 3 = assistant, 4 = user, … (§7)."""
     return jnp.cumsum(input_ids == turn_start_id, axis=-1)
@@ -142,7 +150,8 @@ class Trajectory(NamedTuple):
 
     ``input_ids``, ``attention_mask``, ``position_ids``: ``[B, L]``; ``loss_mask``: ``[B, L − 1]``;
     ``scores``: ``[B]`` summed rewards; ``penalty``: ``[B]`` accumulated format penalty;
-    ``group_ids``: ``[B]`` initial-state group; ``tag_ids``: ``[B]`` environment tag index.
+    ``group_ids``: ``[B]`` initial-state group; ``tag_ids``: ``[B]`` environment tag index;
+    ``turn_rewards``: ``[B, L − 1]`` per-turn rewards on the turn ends (``use_turn_scores``), else None.
     """
 
     input_ids: Any
@@ -153,6 +162,7 @@ class Trajectory(NamedTuple):
     penalty: Any
     group_ids: Any
     tag_ids: Any
+    turn_rewards: Any = None
 
 
 def position_ids(attention_mask: Any) -> Any:

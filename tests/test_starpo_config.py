@@ -147,6 +147,10 @@ def replace_path(config, dotted, value):
     ({"algorithm.gamma": 1.5}, "algorithm.gamma must be in"),
     ({"grpo_advantage_length_weight": True}, "requires algorithm.adv_estimator=grpo"),
     ({"actor_rollout_ref.rollout.max_model_len": 400}, "max_model_len=400 must exceed"),
+    ({"agent_proxy.rollout_driver": "fused"}, "rollout_driver=fused requires train_on_sampled_ids=True"),
+    ({"agent_proxy.rollout_driver": "fused", "train_on_sampled_ids": True, "agent_proxy.use_turn_scores": True},
+     "rollout_driver=fused supports neither agent_proxy.use_turn_scores"),
+    ({"agent_proxy.max_context_window": 2, "train_on_sampled_ids": True}, "max_context_window re-renders"),
 ])
 def test_invalid_configs_fail_with_the_field_name(fields, match):
     config = StarPOConfig()

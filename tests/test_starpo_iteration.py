@@ -36,14 +36,14 @@ def trajectory():
                       np.repeat(np.arange(GROUPS), GROUP_SIZE).astype(np.int32), np.zeros(b, np.int32))
 
 
-def run(preset, mesh, micro_batch_size_per_gpu, overrides=()):
+def run(preset, mesh, micro_batch_size_per_gpu, overrides=(), traj=None):
     config = load_config(preset, OVERRIDES + (f"micro_batch_size_per_gpu={micro_batch_size_per_gpu}",) + overrides)
     lora = LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha)) if config.lora.rank else None
     with jax.set_mesh(mesh):
         policy = create_sharded(lambda: CausalLM(MODEL, lora=lora, rngs=nnx.Rngs(0)), mesh)
         critic = create_sharded(lambda: Critic(MODEL, lora=lora, rngs=nnx.Rngs(1)), mesh) if config.use_critic else None
         learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh, num_micro_batches(config, mesh))
-        actor, critic_state, metrics = update(actor, critic_state, learner, trajectory(), config)
+        actor, critic_state, metrics = update(actor, critic_state, learner, traj or trajectory(), config)
     return jax.device_get(actor.params), metrics
 
 
@@ -86,3 +86,18 @@ def test_one_iteration_of_each_remaining_algorithm(preset, present, absent):
     assert all(name in metrics for name in present) and not any(name in metrics for name in absent)
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     assert all("lora" in path for path in paths) == lora  # LoRA trains only the adapters
+
+
+def test_turn_scores_replace_the_normalised_final_reward():
+    """``use_turn_scores``: the per-turn rewards are the token rewards, not normalised (HEAD, §7)."""
+    traj = trajectory()
+    rng = np.random.default_rng(1)
+    turn_rewards = (rng.random(traj.loss_mask.shape) < 0.1) * rng.normal(size=traj.loss_mask.shape)
+    traj = traj._replace(turn_rewards=turn_rewards.astype(np.float32))
+    single = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    keep_all = ("actor_rollout_ref.rollout.rollout_filter_ratio=1",
+                "agent_proxy.reward_normalization.method=mean_std")
+    _, metrics = run("starpo-s-ppo", single, 4, keep_all + ("agent_proxy.use_turn_scores=True",), traj)
+    np.testing.assert_allclose(metrics["critic/score/mean"], turn_rewards.sum(axis=1).mean(), rtol=1e-5)
+    _, normalised = run("starpo-s-ppo", single, 4, keep_all, traj)
+    np.testing.assert_allclose(normalised["critic/score/mean"], 0.0, atol=1e-5)  # mean_std centres each group

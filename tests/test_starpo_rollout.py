@@ -10,12 +10,13 @@ import envs
 from envs.countdown import Countdown
 from envs.text import env_prefix, turn_text
 from starpo_jax.chat_tokenizer import train_chat_tokenizer
-from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, run_turn, slot_metrics
+from starpo_jax.env_manager import GymnaxHostEnv, apply_context_window, reset_slot, run_turn, slot_metrics
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.transformer import CausalLM
 from starpo_jax.rollout import RolloutSettings, host_rollout
 from starpo_jax.sampler import SamplerConfig, make_sampler
+from starpo_jax.trajectory import render_chat
 
 
 def bandit_slot(seed=0):
@@ -81,11 +82,11 @@ def setup(tmp_path_factory):
     return tokenizer, config, model, params, sampler
 
 
-def play(setup, train_on_sampled_ids, seeds=(1, 2, 3)):
+def play(setup, train_on_sampled_ids, seeds=(1, 2, 3), **settings):
     tokenizer, config, _, params, sampler = setup
     slots = [reset_slot(GymnaxHostEnv(envs.make("FrozenLake")), s, g, 0) for g, s in enumerate(seeds)]
-    settings = RolloutSettings(max_turn=2, max_model_len=2048, train_on_sampled_ids=train_on_sampled_ids,
-                               mask_alignment="standard")
+    settings = RolloutSettings(**{**dict(max_turn=2, max_model_len=2048, train_on_sampled_ids=train_on_sampled_ids,
+                                         mask_alignment="standard"), **settings})
     traj = host_rollout(sampler, params, tokenizer, slots, init_cache(config, len(slots), 2048), jax.random.key(0),
                         settings)
     return traj, slots
@@ -115,3 +116,58 @@ def test_reference_trajectory_is_the_rendered_chat(setup):
     assert traj.group_ids.tolist() == [0, 1, 2]
     np.testing.assert_allclose(traj.penalty, [s.penalty for s in slots])
     assert all(p <= -0.1 for p in traj.penalty)
+
+
+def test_context_window_cuts_history_rewards_and_infos_together():
+    slot = reset_slot(GymnaxHostEnv(envs.make("FrozenLake")), 5, 0, 0)
+    for _ in range(3):
+        run_turn(slot, "r", [])
+    slot.turn_rewards[1], slot.turn_rewards[2] = [0.5, 0.25], [2]
+    slot.turn_infos[2] = {"action_is_valid": True}
+    apply_context_window(slot, 2)
+    assert len(slot.history) == 2 and slot.history[0].llm_response == "r" and slot.history[1].llm_response is None
+    assert slot.turn_rewards == [[2]] and slot.score == 2.0 and slot.turn_scores == [2.0]
+    assert slot_metrics(slot)["action_is_valid"] == 1.0
+    messages = render_chat(slot.prefix, slot.history)
+    assert "\nTurn 1:\nState:\n" in messages[1]["content"] and "Turn 3" not in str(messages)
+    assert messages[-1]["content"].startswith("Reward:\n0\n\nTurn 2:\nState:\n")
+    apply_context_window(slot, -1)
+    assert len(slot.history) == 2
+
+
+def test_context_window_rollout_prefills_the_cut_chat_each_turn(setup):
+    """A used cache with its lengths reset decodes as a fresh one (the driver's restart), and a window of 2
+    trains on the last played turn, numbered Turn 1, and scores only that turn."""
+    tokenizer, config, _, params, sampler = setup
+    first, second = ([tokenizer.encode(t, add_special_tokens=False)] * 2 for t in ("Turn 1: go left", "State: P_G"))
+    fresh = sampler(params, jnp.asarray(second), jnp.ones((2, len(second[0]))), init_cache(config, 2, 256),
+                    jax.random.key(1), jnp.ones(2, bool))
+    used = sampler(params, jnp.asarray(first), jnp.ones((2, len(first[0]))), init_cache(config, 2, 256),
+                   jax.random.key(1), jnp.ones(2, bool)).cache
+    reset = used._replace(lengths=jnp.zeros_like(used.lengths))
+    again = sampler(params, jnp.asarray(second), jnp.ones((2, len(second[0]))), reset, jax.random.key(1),
+                    jnp.ones(2, bool))
+    np.testing.assert_array_equal(again.tokens, fresh.tokens)
+    cut, slots = play(setup, False, max_turn=3, max_context_window=2)
+    for row, slot in enumerate(slots):
+        text = tokenizer.decode(cut.input_ids[row][cut.attention_mask[row] > 0])
+        assert text.count("<|im_start|>assistant") == 1 and "Turn 2" not in text and "\nTurn 1:\nState:\n" in text
+        assert len(slot.turn_rewards) == 1 and cut.scores[row] == np.float32(sum(slot.turn_rewards[0]))
+
+
+def test_turn_scores_sit_on_each_turn_end(setup):
+    tokenizer = setup[0]
+    traj, slots = play(setup, False, max_turn=3, use_turn_scores=True)
+    end, newline = tokenizer.eos_token_id, tokenizer.encode("\n", add_special_tokens=False)[0]
+    for row, slot in enumerate(slots):
+        ids = traj.input_ids[row]
+        start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assistant_ends = [j for j in np.flatnonzero(ids == end) if tokenizer.decode(
+            ids[np.flatnonzero(ids[:j] == start)[-1] + 1:j]).startswith("assistant")]
+        assert len(assistant_ends) == len(slot.turn_scores) and ids[assistant_ends[0] + 1] == newline
+        expected = np.zeros(len(ids) - 1, np.float32)
+        for j, score in zip(assistant_ends, slot.turn_scores):
+            expected[j] = score  # on the "\n" after <|im_end|> (token j + 1), i.e. next-token position j
+        np.testing.assert_array_equal(traj.turn_rewards[row], expected)
+    plain, _ = play(setup, False, max_turn=3)
+    assert plain.turn_rewards is None

@@ -47,7 +47,7 @@ def test_training_form_drops_final_state_and_last_reward(tokenizer):
 
 def test_context_window_restarts_turn_numbers():
     history = [Turn("s1", 10, "r1", "Reward:\n0\n"), Turn("s2", 9, "r2", "Reward:\n0\n"), Turn("s3", 8)]
-    messages = render_chat("P", history, max_context_window=2)
+    messages = render_chat("P", history[-2:])
     assert messages[1]["content"].startswith("P\nTurn 1:\nState:\ns2\nYou have 9 actions left.")
     assert messages[-1]["content"].startswith("Reward:\n0\n\nTurn 2:\nState:\ns3")
 

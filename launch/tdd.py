@@ -54,7 +54,8 @@ class DistilRunConfig:
     """A distillation run. ``batch_size`` is global; ``distill.num_microbatches`` accumulates gradients.
 
     ``cache`` defaults to ``<out>/cache``; it is built from ``data`` when it holds no shards.
-    ``mesh`` is (data, fsdp, tensor), one entry may be -1.
+    ``mesh`` is (data, fsdp, tensor), one entry may be -1. Steps with non-finite gradients are skipped;
+    ``max_consecutive_non_finite`` of them in a row stop the run after a checkpoint of the last finite state.
     """
 
     teacher: str = ""
@@ -65,6 +66,7 @@ class DistilRunConfig:
     batch_size: int = 512
     max_train_steps: int = 100_000
     checkpointing_steps: int = 5000
+    max_consecutive_non_finite: int = 5
     lora_rank: int = 64
     lora_alpha: float = 8.0
     seed: int = 453645634
@@ -153,7 +155,8 @@ def vae_factor(folder: str) -> int:
 def check_distil(cfg: DistilRunConfig) -> dict:
     """Validates a run before anything is loaded or compiled; returns the teacher's UNet config."""
     unet = check_teacher(cfg.teacher)
-    for field in ("resolution", "batch_size", "max_train_steps", "checkpointing_steps", "lora_rank"):
+    for field in ("resolution", "batch_size", "max_train_steps", "checkpointing_steps", "max_consecutive_non_finite",
+                  "lora_rank"):
         if getattr(cfg, field) < 1:
             fail(field, f"must be >= 1, got {getattr(cfg, field)}")
     cache = cfg.cache or os.path.join(cfg.out, "cache")
@@ -230,7 +233,8 @@ def distil(cfg: DistilRunConfig) -> dict[str, float]:
                                     frozen, example, mesh)
         state, last = distil_loop(step, state, frozen, uncond, data, mesh, steps=cfg.max_train_steps,
                                   batch_size=cfg.batch_size, seed=cfg.seed, out=out,
-                                  checkpoint_every=cfg.checkpointing_steps)
+                                  checkpoint_every=cfg.checkpointing_steps,
+                                  max_consecutive_non_finite=cfg.max_consecutive_non_finite)
         if int(state.step) == cfg.max_train_steps:
             export_kohya(nnx.merge(graphdef, state.params, frozen.base), str(out / "lora.safetensors"))
     return last

@@ -10,6 +10,7 @@ from ``metrics.jsonl`` on resume. SIGTERM saves a checkpoint at the next step bo
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +18,7 @@ from typing import Any, Callable
 from jax.sharding import Mesh
 
 from runtime.checkpoint import Checkpointer
+from runtime.guards import NonFiniteError, NonFiniteGuard
 from runtime.metrics import MetricWriter, ProgressBar, read_jsonl
 from runtime.preemption import PreemptionHandler
 from runtime.sharding import shard_batch
@@ -36,11 +38,14 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncond: Unconditional,
                 data: DistillBatch, mesh: Mesh, *, steps: int, batch_size: int, seed: int, out: Path,
-                checkpoint_every: int | None, description: str = "distil") -> tuple[DistillState, dict[str, float]]:
+                checkpoint_every: int | None, description: str = "distil",
+                max_consecutive_non_finite: int = 5) -> tuple[DistillState, dict[str, float]]:
     """Runs ``step`` until ``steps`` (resuming from ``out/checkpoints``); ``checkpoint_every=None``: no checkpoints.
 
-    Returns the final state and the last metric row.
+    Returns the final state and the last metric row. Raises ``NonFiniteError`` after
+    ``max_consecutive_non_finite`` consecutive skipped steps, having saved the unchanged state.
     """
+    guard = NonFiniteGuard(max_consecutive_non_finite)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", max_to_keep=2) if checkpoint_every is not None else None
     start, position = 0, 0
@@ -50,6 +55,10 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
     truncate_metrics(out / "metrics.jsonl", start)
     batches = cache_batches(data, batch_size, seed, start=position)
     last: dict[str, Any] = {}
+
+    def checkpoint(done: int) -> None:
+        ckpt.save(done, state, {"step": done, "data_position": done})
+
     try:
         with MetricWriter(out) as writer, PreemptionHandler() as preemption, \
                 ProgressBar(steps, description, keys=("loss", "grad_norm"), start=start) as bar:
@@ -58,8 +67,18 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
                 last = writer.write(i + 1, metrics)
                 bar.update(i + 1, last)
                 stop = preemption.requested()
-                if ckpt is not None and (stop or i + 1 == steps or (checkpoint_every and (i + 1) % checkpoint_every == 0)):
-                    ckpt.save(i + 1, state, {"step": i + 1, "data_position": i + 1})
+                due = ckpt is not None and (stop or i + 1 == steps or
+                                            (checkpoint_every and (i + 1) % checkpoint_every == 0))
+                if due:
+                    checkpoint(i + 1)
+                try:
+                    guard.check(i + 1, last)
+                except NonFiniteError:  # skipped updates left the last finite state: keep it
+                    if ckpt is not None:
+                        if not due:
+                            checkpoint(i + 1)
+                        logging.error("saved the last finite state as checkpoint %d in %s", i + 1, ckpt.directory)
+                    raise
                 if stop:
                     break
     finally:

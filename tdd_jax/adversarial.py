@@ -13,7 +13,8 @@ An addition to the plain distillation step (``tdd_jax.distill``), which it leave
   ``L_G = Σ_h mean(relu(1 − D_h(fake))) / H``;
 * training alternates: ``discriminator_step`` on even global steps (AdamW(1e-5, β = (0, 0.999),
   wd 1e-3), clip 1.0), ``generator_step`` on odd ones (consistency loss + ``adv_weight``·L_G, the
-  student's optimiser). The caller's loop alternates them.
+  student's optimiser). The caller's loop alternates them. Both optimisers skip and count non-finite
+  updates (``runtime.guards.skip_non_finite``): ``numerics/*`` for the student, ``numerics/d_*`` for the heads.
 
 The adversarial steps take the whole batch at once (``num_microbatches`` 1) and target the online
 student (no EMA), as the reference does. Randomness: the step key is split as in the plain step, so
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from runtime.guards import non_finite_metrics, skip_non_finite
 from tdd_jax.distill import (DistillBatch, DistillConfig, DistillState, FrozenParams, Unconditional,
                              draw_distill_sample, l2_loss, make_optimizer, pseudo_huber_loss, teacher_ddim_step)
 from tdd_jax.models.layers import Conv, GroupNorm
@@ -63,10 +65,10 @@ class AdversarialConfig:
             raise ValueError(f"AdversarialConfig.head_groups must be >= 1, got {self.head_groups!r}")
 
     def optimizer(self) -> optax.GradientTransformation:
-        """Clip then AdamW for the discriminator heads."""
-        return optax.chain(optax.clip_by_global_norm(self.max_grad_norm),
-                           optax.adamw(self.learning_rate, self.adam_beta1, self.adam_beta2,
-                                       weight_decay=self.weight_decay))
+        """Clip then AdamW for the discriminator heads; non-finite updates skipped."""
+        return skip_non_finite(optax.chain(optax.clip_by_global_norm(self.max_grad_norm),
+                                           optax.adamw(self.learning_rate, self.adam_beta1, self.adam_beta2,
+                                                       weight_decay=self.weight_decay)))
 
 
 class DiscriminatorHead(nnx.Module):
@@ -203,7 +205,8 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
 
         d_loss, grads = jax.value_and_grad(loss_fn)(disc.params)
         updates, opt_state = tx_d.update(grads, disc.opt_state, disc.params)
-        metrics = {"d_loss": d_loss, "d_grad_norm": optax.tree.norm(grads)}
+        metrics = {"d_loss": d_loss, "d_grad_norm": optax.tree.norm(grads),
+                   **{name.replace("/", "/d_"): value for name, value in non_finite_metrics(opt_state).items()}}
         disc = DiscriminatorState(optax.apply_updates(disc.params, updates), opt_state)
         return state._replace(rng=rng), disc, metrics
 
@@ -222,7 +225,8 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
         (loss, (cm, g_loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "loss_cm": cm, "g_loss": g_loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss, "loss_cm": cm, "g_loss": g_loss, "grad_norm": optax.tree.norm(grads),
+                   **non_finite_metrics(opt_state)}
         return DistillState(params, opt_state, state.step + 1, rng, None), disc, metrics
 
     return discriminator_step, generator_step

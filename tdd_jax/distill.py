@@ -9,7 +9,8 @@ One step, per sample (``train_tdd.py`` lines 1235-1391):
    form ``ε̂ = ε_c + w·(ε_c − ε_u)`` (CFG scale 1 + w), one DDIM step to t_n;
 4. target ``= sg(f(x_{t_n}, t_n, s))`` with the online (or EMA) student; prediction
    ``f(x_{t_{n+k}}, t_{n+k}, s)``, ``f(x, t, s) = α_s·x̂0 + σ_s·ε``;
-5. pseudo-Huber or L2 loss, gradient clipping, AdamW.
+5. pseudo-Huber or L2 loss, gradient clipping, AdamW; a step whose gradients hold a NaN or Inf leaves
+   params, optimizer state and EMA unchanged and is counted (``runtime.guards.skip_non_finite``).
 
 The model is an NNX module following ``tdd_jax.sampler.EpsModel``. It is split into a graph
 definition, the trainable variables (LoRA, or all parameters) and the frozen rest. The teacher is
@@ -32,6 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from runtime.guards import non_finite_metrics, skip_non_finite
 from runtime.mesh import batch_sharding, replicated
 from runtime.sharding import shardings_of
 from runtime.train_state import compile_step, init_train_state
@@ -200,12 +202,12 @@ def teacher_ddim_step(teacher_eps: Callable, x_start: jax.Array, sample: Distill
 
 
 def make_optimizer(config: DistillConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW, as the reference (spec §9)."""
-    return optax.chain(
+    """Global-norm clipping then AdamW, as the reference (spec §9); non-finite updates skipped."""
+    return skip_non_finite(optax.chain(
         optax.clip_by_global_norm(config.max_grad_norm),
         optax.adamw(config.learning_rate, config.adam_beta1, config.adam_beta2, config.adam_epsilon,
                      weight_decay=config.adam_weight_decay),
-    )
+    ))
 
 
 def split_model(model: nnx.Module, lora: bool = True) -> tuple[nnx.GraphDef, Any, FrozenParams]:
@@ -275,11 +277,13 @@ def make_distill_step(graphdef: nnx.GraphDef, schedule: TDDSchedule, config: Dis
         loss, grads = jax.tree.map(lambda g: g / m, (loss, grads))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        numerics = non_finite_metrics(opt_state)
         ema = state.ema_params
         if ema is not None:
-            ema = jax.tree.map(lambda e, p: config.ema_decay * e + (1.0 - config.ema_decay) * p, ema, params)
+            decayed = jax.tree.map(lambda e, p: config.ema_decay * e + (1.0 - config.ema_decay) * p, ema, params)
+            ema = optax.tree.where(numerics["numerics/consecutive_non_finite"] == 0, decayed, ema)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "mean_s": jnp.mean(sample.s),
-                   "mean_t_n": jnp.mean(sample.t_n)}
+                   "mean_t_n": jnp.mean(sample.t_n), **numerics}
         return DistillState(params, opt_state, state.step + 1, rng, ema), metrics
 
     return step

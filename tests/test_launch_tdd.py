@@ -2,7 +2,9 @@
 diffusers folder written by diffusers itself; clear errors; a SIGKILLed distillation resumes bit-identically."""
 
 import dataclasses
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from safetensors.numpy import load_file
 
 from launch import tdd
 from launch.tdd_demo import FAST, DemoConfig, run_demo
+from runtime.guards import NonFiniteError
 from runtime.metrics import read_jsonl
 from tdd_jax.models.diffusers_io import load_unet
 from tdd_jax.models.lora import named_layers
@@ -57,7 +60,9 @@ def first_run(pipeline_dir, images, tmp_path_factory):  # noqa: F811
 
 def test_distil_writes_metrics_checkpoints_and_a_kohya_lora(first_run):
     out, last = first_run
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4] and np.isfinite(last["loss"])
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and np.isfinite(last["loss"])
+    assert {(r["numerics/non_finite_steps"], r["numerics/consecutive_non_finite"]) for r in rows} == {(0, 0)}
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["3", "4"]  # max_to_keep 2
     assert len(list((out / "cache").glob("shard_*.npz"))) == 1
     tensors = load_file(out / "lora.safetensors")
@@ -95,6 +100,7 @@ def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images,
         (distil[:4] + [f"data={tmp_path / 'none'}", f"out={tmp_path}"], r"data: .*does not exist"),
         (distil + ["distill.num_microbatches=3"], r"distill.num_microbatches: 3 must divide batch_size=8"),
         (distil + ["resolution=7"], r"resolution: 7 must be divisible"),
+        (distil + ["max_consecutive_non_finite=0"], r"max_consecutive_non_finite: must be >= 1, got 0"),
         (distil + ["mesh=[1,3,1]"], r"mesh shape"),
         (["sample", f"teacher={pipeline_dir}", f"lora={tmp_path / 'x.safetensors'}"], r"lora: no such file"),
         (["export", f"run={tmp_path}"], r"run: .*missing config.json"),
@@ -109,6 +115,35 @@ def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images,
     with pytest.raises(ValueError, match="DemoConfig.image_size"):
         DemoConfig(image_size=20)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_repeated_non_finite_steps_stop_after_saving_the_last_finite_state(first_run, pipeline_dir,  # noqa: F811
+                                                                           tmp_path, caplog):
+    """``first_run`` resumed from step 4 on its cache with one NaN latent: steps 5 and 6 are skipped, then it stops."""
+    reference, _ = first_run
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    shutil.copytree(reference / "cache", cache)
+    shutil.copytree(reference / "checkpoints", run / "checkpoints")
+    shard = cache / "shard_00000.npz"
+    arrays = dict(np.load(shard))
+    arrays["latents"][3, 0, 0, 0] = np.nan
+    np.savez(shard, **arrays)
+    argv = ["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"cache={cache}", f"out={run}",
+            "max_train_steps=8", "checkpointing_steps=100", "max_consecutive_non_finite=2"]
+    with caplog.at_level(logging.ERROR), \
+            pytest.raises(NonFiniteError, match="2 consecutive steps up to step 6 had non-finite gradients"):
+        tdd.main(argv)
+    assert f"saved the last finite state as checkpoint 6 in {run / 'checkpoints'}" in caplog.text
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [(r["step"], r["loss"], r["numerics/non_finite_steps"], r["numerics/consecutive_non_finite"])
+            for r in rows] == [(5, "nan", 1, 1), (6, "nan", 2, 2)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4", "6"]
+    assert not (run / "lora.safetensors").exists()
+    saved = load_file(tdd.main(["export", f"run={run}", "step=6", f"out={tmp_path / 'step6.safetensors'}"]))
+    finite = load_file(reference / "lora.safetensors")  # the LoRA of step 4
+    assert saved.keys() == finite.keys()
+    for key in saved:
+        np.testing.assert_array_equal(saved[key], finite[key], err_msg=key)
 
 
 def run_distil(pipeline_dir, cache, out):  # noqa: F811

@@ -33,28 +33,33 @@ def make_inputs():
     return DistillBatch(f32(B, 8, 8, 4), cond), Unconditional(empty, unconditional_embedding(empty, "zeros"))
 
 
-def run_step(mesh_shape, config, lora=True, steps=2):
-    """``steps`` compiled steps on one batch; returns the params after each step and the metrics."""
+def run_step(mesh_shape, config, lora=True, steps=2, nan_steps=()):
+    """``steps`` compiled steps on one batch; returns the params and state after each step and the metrics.
+
+    Steps in ``nan_steps`` get the batch with one latent element set to NaN.
+    """
     data, fsdp, tensor = mesh_shape
     mesh = make_mesh(MeshConfig(data, fsdp, tensor), jax.devices()[: data * fsdp * tensor])
     batch, uncond = make_inputs()
     with jax.set_mesh(mesh):
         model = build_tiny_eps_net(mesh=mesh)
         graphdef, params, frozen = split_model(model, lora)
-        history = [jax.device_get(params)]
         frozen_before = jax.device_get(frozen)
         state = init_distill_state(params, config, jax.random.key(42), mesh)
-        batch = shard_batch(batch, mesh)
+        nan_latents = batch.latents.copy()
+        nan_latents[0, 0, 0, 0] = np.nan
+        batches = [shard_batch(batch._replace(latents=nan_latents) if i in nan_steps else batch, mesh)
+                   for i in range(steps)]
         raw_step = chex.assert_max_traces(make_distill_step(graphdef, SCHEDULE, config), n=1)
-        step = compile_distill_step(raw_step, state, frozen, batch, mesh)
-        metrics = []
-        for _ in range(steps):
+        step = compile_distill_step(raw_step, state, frozen, batches[0], mesh)
+        metrics, states = [], [jax.device_get(state)]
+        for batch in batches:
             state, m = step(state, frozen, uncond, batch)
-            history.append(jax.device_get(state.params))
+            states.append(jax.device_get(state))
             metrics.append(jax.device_get(m))
     chex.clear_trace_counter()
-    return dict(history=history, frozen_before=frozen_before, frozen=jax.device_get(frozen),
-                state=jax.device_get(state), metrics=metrics)
+    return dict(history=[s.params for s in states], frozen_before=frozen_before, frozen=jax.device_get(frozen),
+                state=states[-1], states=states, metrics=metrics)
 
 
 # ε = 1 makes the first Adam update ≈ lr·g, so float noise in near-zero gradients cannot flip its sign
@@ -189,3 +194,26 @@ def test_full_finetune_with_ema_and_l2():
                  out["state"].ema_params, p0, p1, p2)
     with pytest.raises(ValueError, match="num_microbatches"):
         run_step((1, 1, 1), dataclasses.replace(config, num_microbatches=3))
+
+
+def test_non_finite_steps_leave_params_moments_and_ema_unchanged():
+    """Steps 2 and 3 see a NaN latent: skipped and counted; step 4 is finite again and updates.
+
+    Same config, mesh and shapes as ``test_full_finetune_with_ema_and_l2``, so the compiled step is reused.
+    """
+    config = DistillConfig(learning_rate=1e-3, loss_type="l2", ema_decay=0.9, selector="lcm")
+    out = run_step((1, 1, 1), config, lora=False, steps=4, nan_steps=(1, 2))
+    counters = [(int(m["numerics/non_finite_steps"]), int(m["numerics/consecutive_non_finite"]))
+                for m in out["metrics"]]
+    assert counters == [(0, 0), (1, 1), (2, 2), (2, 0)]
+    assert [bool(np.isnan(m["loss"])) for m in out["metrics"]] == [False, True, True, False]
+    s1, s2, s3, s4 = out["states"][1:]
+    trainable = lambda s: (s.params, s.opt_state.inner_state, s.ema_params)
+    for skipped in (s2, s3):
+        jax.tree.map(np.testing.assert_array_equal, trainable(skipped), trainable(s1))
+    assert not any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.all(a == b)), s1.ema_params, s1.params)))
+    assert int(s3.step) == 3
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), s4.params, s3.params)))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(trainable(s4)))
+    jax.tree.map(lambda e, a, b: np.testing.assert_allclose(e, 0.9 * a + 0.1 * b, rtol=1e-6, atol=1e-7),
+                 s4.ema_params, s3.ema_params, s4.params)

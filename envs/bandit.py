@@ -43,17 +43,17 @@ class Bandit(TextEnvironment):
     one pull ends the episode and ``success`` means the high arm was chosen.
     """
 
+    tag = "Bandit"
     env_instruction = ""
     max_actions_per_traj = 1
 
-    def __init__(self, lo_arm_name: str = "Phoenix", hi_arm_name: str = "Dragon", tag: str = "Bandit"):
+    def __init__(self, lo_arm_name: str = "Phoenix", hi_arm_name: str = "Dragon"):
         for field, name in (("lo_arm_name", lo_arm_name), ("hi_arm_name", hi_arm_name)):
             if not isinstance(name, str) or not name.strip() or "||" in name:
                 raise ValueError(f"{field} must be a non-empty name without '||', got {name!r}")
         if lo_arm_name.lower() == hi_arm_name.lower():
             raise ValueError(f"lo_arm_name and hi_arm_name must differ, got {lo_arm_name!r} twice")
         self.action_names = (lo_arm_name, hi_arm_name)
-        self.tag = tag
 
     @property
     def default_params(self) -> BanditParams:

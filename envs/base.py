@@ -26,7 +26,8 @@ def check_positive_int(name: str, value) -> int:
 class TextEnvironment(environment.Environment):
     """A gymnax environment rendered as text for an LLM agent (RAGEN's ``BaseDiscreteActionEnv``).
 
-    Subclasses set:
+    Subclasses set the type's defaults; ``envs.make`` sets ``tag``, ``env_instruction``,
+    ``max_actions_per_traj`` and ``max_tokens`` from the tag's ``custom_envs`` entry:
         tag: RAGEN's environment tag (``custom_envs`` key), e.g. ``"SimpleSokoban"``.
         action_names: names the agent writes, indexed by action id (``action_lookup`` values).
         env_instruction: the instruction that opens the first user message.

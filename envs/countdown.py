@@ -150,7 +150,7 @@ class Countdown:
     max_actions_per_traj = 1
     max_tokens = 100
 
-    def __init__(self, score=1, format_score=0.1, max_number: int = 99):
+    def __init__(self, score: float = 1, format_score: float = 0.1, max_number: int = 99):
         if max_number < 4:
             raise ValueError(f"max_number must be at least 4, got {max_number}")
         self.score, self.format_score, self.max_number = score, format_score, max_number

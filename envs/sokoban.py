@@ -61,12 +61,12 @@ class Sokoban(TextEnvironment):
         num_boxes: boxes (and targets) per level.
         search_depth: RAGEN's reverse-play depth; pull-walks are ``search_depth - 2`` moves long.
         grid_lookup: symbol of each cell code 0-6 (RAGEN's ``grid_lookup``).
-        tag: RAGEN's environment tag.
         walk_budget: pull-walk moves per generation try (split into walks of the length above).
         tries: topologies drawn at most per level before the fixed fallback room.
         legend_from_config: list ``grid_lookup``'s symbols in the prompt instead of the defaults.
     """
 
+    tag = "SimpleSokoban"
     action_names = ("Up", "Down", "Left", "Right")
     env_instruction = SOKOBAN_INSTRUCTION
     max_actions_per_traj = 10
@@ -79,7 +79,6 @@ class Sokoban(TextEnvironment):
         num_boxes: int = 1,
         search_depth: int = 300,
         grid_lookup: Mapping[int, str] | None = None,
-        tag: str = "SimpleSokoban",
         walk_budget: int = 2048,
         tries: int = 16,
         legend_from_config: bool = False,
@@ -95,7 +94,6 @@ class Sokoban(TextEnvironment):
         self.grid_lookup = dict(grid_lookup or DEFAULT_GRID_LOOKUP)
         if sorted(self.grid_lookup) != list(range(7)):
             raise ValueError(f"grid_lookup must map the cell codes 0-6, got keys {sorted(self.grid_lookup)}")
-        self.tag = tag
         self.generator = GeneratorConfig(
             dim_room=(height, width),
             num_boxes=num_boxes,
@@ -186,20 +184,3 @@ class Sokoban(TextEnvironment):
             value += 10
         return value
 
-
-def simple_sokoban(**kwargs) -> Sokoban:
-    """RAGEN's ``SimpleSokoban``: 6x6, one box, search depth 300."""
-    return Sokoban(**{"dim_room": (6, 6), "num_boxes": 1, "search_depth": 300, "tag": "SimpleSokoban", **kwargs})
-
-
-def larger_sokoban(**kwargs) -> Sokoban:
-    """RAGEN's ``LargerSokoban``: 8x8, two boxes, search depth 10."""
-    return Sokoban(**{"dim_room": (8, 8), "num_boxes": 2, "search_depth": 10, "tag": "LargerSokoban", **kwargs})
-
-
-def sokoban_different_grid_vocab(**kwargs) -> Sokoban:
-    """RAGEN's ``SokobanDifferentGridVocab``: 6x6, one box, depth 30, symbols ``W . G C B A @``."""
-    return Sokoban(
-        **{"dim_room": (6, 6), "num_boxes": 1, "search_depth": 30, "grid_lookup": DIFFERENT_GRID_LOOKUP,
-           "tag": "SokobanDifferentGridVocab", **kwargs}
-    )

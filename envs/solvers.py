@@ -1,6 +1,8 @@
-"""Host-side solvers for demonstrations and tests: BFS for Sokoban, most likely path for FrozenLake."""
+"""Host-side solvers for demonstrations and tests: BFS for Sokoban; for FrozenLake the most likely path
+and the turn plan that maximises the chance of reaching the goal within the remaining turns."""
 
 import heapq
+import itertools
 from collections import deque
 
 import numpy as np
@@ -101,3 +103,36 @@ def solve_frozen_lake(desc, position: int, is_slippery: bool = True) -> tuple[li
                 if nxt != cell and nxt not in settled and tiles[nxt] != HOLE:
                     heapq.heappush(frontier, (cost - np.log(prob), length + 1, nxt, actions + [action]))
     return None
+
+
+def frozen_lake_matrices(desc, is_slippery: bool = True) -> np.ndarray:
+    """``P[a, cell, next]``: gymnasium's transitions as four row-stochastic matrices (terminal tiles absorb)."""
+    cells = np.asarray(desc).size
+    matrices = np.zeros((4, cells, cells))
+    for action in range(4):
+        for cell in range(cells):
+            for nxt, prob in frozen_lake_transitions(desc, cell, action, is_slippery).items():
+                matrices[action, cell, nxt] = prob
+    return matrices
+
+
+def plan_frozen_lake(desc, position: int, turns: int, actions_per_turn: int,
+                     is_slippery: bool = True) -> tuple[list[int], float]:
+    """The turn of ``actions_per_turn`` actions that maximises P(goal within ``turns`` turns), and that probability.
+
+    RAGEN's agent commits to a whole turn's actions before it sees the next state, so this is
+    finite-horizon dynamic programming over turns whose choices are open-loop action sequences:
+    ``V_t = max_seq P_seq V_{t-1}``, ``V_0 = [cell is the goal]``. Re-planned each turn it is
+    the best policy of that form; ties go to the first sequence in lexicographic action order.
+    """
+    if turns < 1 or actions_per_turn < 1:
+        raise ValueError(f"turns and actions_per_turn must be >= 1, got {turns} and {actions_per_turn}")
+    matrices = frozen_lake_matrices(desc, is_slippery)
+    sequences = list(itertools.product(range(4), repeat=actions_per_turn))
+    moves = np.stack([np.linalg.multi_dot([np.eye(len(matrices[0])), *matrices[list(seq)]]) for seq in sequences])
+    value = (np.asarray(desc).ravel() == GOAL).astype(float)
+    for _ in range(turns - 1):
+        value = (moves @ value).max(axis=0)
+    first = moves[:, int(position)] @ value
+    best = int(np.argmax(first))
+    return list(sequences[best]), float(first[best])

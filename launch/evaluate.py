@@ -28,7 +28,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-import envs
 from launch.starpo import env_metrics, make_player, rollout_settings
 from runtime.checkpoint import Checkpointer
 from runtime.mesh import make_mesh
@@ -80,9 +79,10 @@ def evaluate(config: StarPOConfig, mesh, tags: Sequence[str], states: int, sampl
     bad = [k for k in ks if not 1 <= k <= samples]
     if bad:
         raise ValueError(f"--k values must be in [1, --samples={samples}], got {bad}")
-    unknown = [t for t in tags if t not in envs.ENV_TAGS]
+    unknown = [t for t in tags if t not in config.custom_envs]
     if unknown:
-        raise ValueError(f"--envs: unknown environment tag(s) {unknown}; choose from {sorted(envs.ENV_TAGS)}")
+        raise ValueError(f"--envs: unknown environment tag(s) {unknown}; choose from {sorted(config.custom_envs)} "
+                         f"or define them with custom_envs.<Tag>.env_type=...")
     rollout = config.actor_rollout_ref.rollout
     tokenizer = load_tokenizer(config.model_path)
     settings = rollout_settings(config)
@@ -133,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              "trained model's structure")
     parser.add_argument("--checkpoint", type=Path, help="launch.starpo run folder or its checkpoints folder")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--envs", help="comma-separated tags, or 'all' (default: the config's validation tags)")
+    parser.add_argument("--envs", help="comma-separated custom_envs tags, or 'all' of them (default: the config's "
+                                       "validation tags)")
     parser.add_argument("--states", type=int, default=32, help="initial states per environment")
     parser.add_argument("--samples", type=int, default=16, help="rollouts per initial state (n of pass@k)")
     parser.add_argument("--k", help="comma-separated k values of pass@k (default: 1, 2, 4, ... up to --samples)")
@@ -144,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.states < 1 or args.samples < 1 or args.batch < 1:
         parser.error("--states, --samples and --batch must be >= 1")
     config = load_config(args.preset, overrides)
-    tags = (tuple(envs.ENV_TAGS) if args.envs == "all" else tuple(args.envs.split(","))) if args.envs \
+    tags = (tuple(config.custom_envs) if args.envs == "all" else tuple(args.envs.split(","))) if args.envs \
         else config.es_manager.val.env_configs.tags
     ks = sorted({int(k) for k in args.k.split(",")}) if args.k else [2 ** i for i in range(args.samples.bit_length())]
     mesh = make_mesh(mesh_config(args.mesh))

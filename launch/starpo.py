@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import envs
+from envs.base import TextEnvironment
 from runtime.checkpoint import Checkpointer
 from runtime.guards import NonFiniteError, NonFiniteGuard
 from runtime.mesh import make_mesh
@@ -51,15 +52,19 @@ from starpo_jax.sampler import SamplerConfig, make_sampler
 from starpo_jax.tokenizer import load_tokenizer, require_chat_template
 
 
-def make_slots(groups: EnvGroupsConfig, seed: int) -> list:
-    """``env_groups × group_size`` fresh slots, group-major; all rollouts of a group share a seed."""
+def make_slots(groups: EnvGroupsConfig, seed: int, custom_envs: Mapping[str, envs.EnvEntry]) -> list:
+    """``env_groups × group_size`` fresh slots, group-major; all rollouts of a group share a seed.
+
+    Each tag's environment is the one its ``custom_envs`` entry configures; a host-only one
+    (Countdown) keeps its state, so every slot gets its own.
+    """
     slots = []
     group = 0
     for tag_id, (tag, n_groups) in enumerate(zip(groups.env_configs.tags, groups.env_configs.n_groups)):
-        text_env = envs.make(tag)
+        text_env = envs.make(tag, custom_envs)
         for _ in range(n_groups):
             for _ in range(groups.group_size):
-                env = envs.make(tag) if tag == "Countdown" else GymnaxHostEnv(text_env)
+                env = GymnaxHostEnv(text_env) if isinstance(text_env, TextEnvironment) else envs.make(tag, custom_envs)
                 slots.append(reset_slot(env, seed + group, group, tag_id))
             group += 1
     return slots
@@ -100,7 +105,8 @@ def make_player(config: StarPOConfig, groups: EnvGroupsConfig, graphdef, model_c
     Group g plays from ``seed + g`` with either driver; ``rows`` are the per-trajectory env metrics.
     """
     if config.agent_proxy.rollout_driver == "fused":
-        tables = [build_env_tables(envs.make(tag), tokenizer, settings) for tag in groups.env_configs.tags]
+        tables = [build_env_tables(envs.make(tag, config.custom_envs), tokenizer, settings)
+                  for tag in groups.env_configs.tags]
         sizes = [n * groups.group_size for n in groups.env_configs.n_groups]
         program = make_fused_rollout(graphdef, model_config, sampler_config, tables, sizes, tokenizer, settings, mesh)
         group_ids = np.repeat(np.arange(groups.env_groups), groups.group_size)
@@ -113,7 +119,7 @@ def make_player(config: StarPOConfig, groups: EnvGroupsConfig, graphdef, model_c
     sampler = make_sampler(graphdef, sampler_config)
 
     def play_host(params, seed: int, key):
-        slots = make_slots(groups, seed)
+        slots = make_slots(groups, seed, config.custom_envs)
         cache = init_cache(model_config, len(slots), settings.max_model_len + sampler_config.max_new_tokens)
         return host_rollout(sampler, params, tokenizer, slots, cache, key, settings), list(map(slot_metrics, slots))
 

@@ -7,6 +7,8 @@ here. Defaults are StarPO-S (PPO with critic, top 25% of groups by reward std, c
 checks types and cross-field rules, naming the field, before anything compiles.
 ``starpo_jax.presets`` composes the named algorithms from RAGEN-style ``key=value`` overrides
 (parsed by ``runtime.config``; booleans take explicit values, ``use_kl_loss=True``, as in Hydra).
+``custom_envs`` is RAGEN's environment registry (``config/envs.yaml``, ``envs.registry``); its
+overrides, new tags included, are read by ``starpo_jax.custom_envs``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import tyro
 
+import envs
+from envs.base import TextEnvironment
+from envs.registry import CUSTOM_ENVS, ENV_TYPES, EnvEntry, env_config_types
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
 from starpo_jax.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
@@ -216,6 +223,9 @@ class StarPOConfig:
     trainer: TrainerConfig = TrainerConfig()
     agent_proxy: AgentProxyConfig = AgentProxyConfig()
     es_manager: EsManagerConfig = EsManagerConfig()
+    # Parsed apart from the tree (``starpo_jax.custom_envs``): its tags are the user's to name.
+    custom_envs: Annotated[Mapping[str, EnvEntry], tyro.conf.Suppress] = dataclasses.field(
+        default_factory=lambda: dict(CUSTOM_ENVS))
 
     @property
     def use_critic(self) -> bool:
@@ -245,7 +255,13 @@ def _is_optional(annotation) -> bool:
 def _check_value(value: Any, annotation, path: str) -> None:
     """Raises naming ``path`` unless ``value`` fits ``annotation`` (an int is accepted for a float)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if _is_optional(annotation):
+    if annotation is Any:
+        return
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, annotation):
+            raise TypeError(f"{path} must be a {annotation.__name__} section, got {value!r}")
+        _check_types(value, path + ".")
+    elif _is_optional(annotation):
         if value is not None:
             _check_value(value, next(a for a in args if a is not type(None)), path)
     elif origin is Literal:
@@ -259,19 +275,19 @@ def _check_value(value: Any, annotation, path: str) -> None:
             raise ValueError(f"{path} must have {len(item_types)} entries, got {value!r}")
         for i, (item, item_type) in enumerate(zip(value, item_types)):
             _check_value(item, item_type, f"{path}[{i}]")
+    elif origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{path} must be a mapping, got {value!r}")
+        for key, item in value.items():
+            _check_value(key, args[0], f"{path} key {key!r}")
+            _check_value(item, args[1], f"{path}.{key}")
     elif not (type(value) is annotation or (annotation is float and type(value) is int)):
         raise TypeError(f"{path} must be {getattr(annotation, '__name__', annotation)}, got {value!r}")
 
 
 def _check_types(config, prefix: str = "") -> None:
     for name, annotation in _field_types(type(config)).items():
-        value, path = getattr(config, name), prefix + name
-        if dataclasses.is_dataclass(annotation):
-            if not isinstance(value, annotation):
-                raise TypeError(f"{path} must be a {annotation.__name__} section, got {value!r}")
-            _check_types(value, path + ".")
-        else:
-            _check_value(value, annotation, path)
+        _check_value(getattr(config, name), annotation, prefix + name)
 
 
 def resolve(config: StarPOConfig) -> StarPOConfig:
@@ -299,6 +315,32 @@ def _validate_env_groups(groups: EnvGroupsConfig, path: str) -> None:
              f"{path}.env_configs.tags and n_groups must be non-empty and of equal length, got {tags} and {n_groups}")
     _require(sum(n_groups) == groups.env_groups,
              f"{path}.env_configs.n_groups must sum to {path}.env_groups={groups.env_groups}, got {n_groups}")
+
+
+def _validate_custom_envs(config: StarPOConfig) -> None:
+    """Every entry's type and ``env_config`` keywords, and that it builds; es_manager names only entries."""
+    for tag, entry in config.custom_envs.items():
+        path = f"custom_envs.{tag}"
+        _require(entry.env_type in ENV_TYPES, f"{path}.env_type must be one of {tuple(ENV_TYPES)}, "
+                                              f"got {entry.env_type!r}")
+        _require(entry.max_actions_per_traj >= 1,
+                 f"{path}.max_actions_per_traj must be >= 1, got {entry.max_actions_per_traj}")
+        _require(entry.max_tokens >= 1, f"{path}.max_tokens must be >= 1, got {entry.max_tokens}")
+        keywords = env_config_types(entry.env_type)
+        for name, value in entry.env_config.items():
+            _require(name in keywords, f"{path}.env_config.{name} is not a keyword of {entry.env_type} "
+                                       f"environments; they take {sorted(keywords)}")
+            _check_value(value, keywords[name], f"{path}.env_config.{name}")
+        try:
+            envs.make(tag, config.custom_envs)
+        except ValueError as error:
+            raise ValueError(f"{path}.env_config: {error}") from error
+    for section in ("train", "val"):
+        for tag in getattr(config.es_manager, section).env_configs.tags:
+            _require(tag in config.custom_envs,
+                     f"es_manager.{section}.env_configs.tags names {tag!r}, which custom_envs does not define "
+                     f"(it has {sorted(config.custom_envs)}): add custom_envs.{tag}.env_type=<one of "
+                     f"{', '.join(ENV_TYPES)}>")
 
 
 def _validate_batches(config: StarPOConfig) -> None:
@@ -364,13 +406,15 @@ def _validate_rollout(config: StarPOConfig) -> None:
              f"agent_proxy.max_context_window must be -1 or >= 1, got {proxy.max_context_window}")
     if proxy.rollout_driver == "fused":
         tags = config.es_manager.train.env_configs.tags + config.es_manager.val.env_configs.tags
-        _require("Countdown" not in tags, f"agent_proxy.rollout_driver=fused steps JAX environments on device; "
-                                          f"Countdown is host-only (tags {tags}): use agent_proxy.rollout_driver=host")
+        host_only = [t for t in tags if not issubclass(ENV_TYPES[config.custom_envs[t].env_type], TextEnvironment)]
+        _require(not host_only, f"agent_proxy.rollout_driver=fused steps JAX environments on device; {host_only} "
+                                f"are host-only (Countdown): use agent_proxy.rollout_driver=host")
         _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True "
                                               "(it trains on the ids the decoder saw, decision 10)")
-        _require(not proxy.use_turn_scores and proxy.max_context_window == -1,
-                 "agent_proxy.rollout_driver=fused supports neither agent_proxy.use_turn_scores nor "
-                 "agent_proxy.max_context_window: use agent_proxy.rollout_driver=host")
+        _require(proxy.max_context_window == -1,
+                 "agent_proxy.rollout_driver=fused does not support agent_proxy.max_context_window: the cut history "
+                 "is re-rendered each turn, so the trajectory is not the one sampled id sequence the fused driver "
+                 "trains on; use agent_proxy.rollout_driver=host")
     _require(proxy.max_context_window == -1 or not config.train_on_sampled_ids,
              "agent_proxy.max_context_window re-renders the cut history each turn, so the trajectory is not one "
              "sampled id sequence: set train_on_sampled_ids=False")
@@ -383,6 +427,7 @@ def validate(config: StarPOConfig) -> StarPOConfig:
                                                              f"got {config.trainer.max_consecutive_non_finite}")
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
+    _validate_custom_envs(config)
     _validate_batches(config)
     _validate_algorithm(config)
     _validate_rollout(config)

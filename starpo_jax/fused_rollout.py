@@ -79,11 +79,13 @@ class RewardTable(NamedTuple):
     """RAGEN's turn reward text ``str(0 + r_1 + … + r_n)`` as an automaton over step rewards.
 
     ``values[V]``: the float32 step rewards; ``next_total[T, V]``: the running Python sum
-    after one more step (state 0 is the integer 0); ``text``: ``Reward:\\n{total}\\n`` per state.
+    after one more step (state 0 is the integer 0); ``totals[T]``: each state's sum as float32
+    (a turn's score, ``Slot.turn_scores``); ``text``: ``Reward:\\n{total}\\n`` per state.
     """
 
     values: jax.Array
     next_total: jax.Array
+    totals: jax.Array
     text: Piece
 
 
@@ -109,7 +111,8 @@ def build_reward_table(env: Any, params: Any, tokenizer: Any, max_steps: int) ->
         frontier = grown
     texts = [reward_text([total]) for total in totals]
     encoded = [list(r) for r in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    return RewardTable(jnp.asarray(values), jnp.asarray(next_total, jnp.int32), _piece(encoded)), texts
+    return RewardTable(jnp.asarray(values), jnp.asarray(next_total, jnp.int32),
+                       jnp.asarray([float(total) for total in totals], jnp.float32), _piece(encoded)), texts
 
 
 class TextStates(NamedTuple):
@@ -259,6 +262,7 @@ class FusedEpisode(NamedTuple):
     ids: jax.Array  # [B, S] fed and sampled ids, left aligned
     length: jax.Array
     step_rewards: jax.Array  # [B, max_actions_per_traj] float32, in execution order
+    turn_scores: jax.Array  # [B, max_turn] float32, each played turn's summed reward (0 after the last)
     num_actions: jax.Array
     num_penalties: jax.Array
     num_turns: jax.Array
@@ -352,7 +356,8 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
     environment; row i's environment is reset with ``seeds[i]`` exactly as ``GymnaxHostEnv``
     does, and turn t decodes with ``fold_in(key, t)``, as ``host_rollout``. The KV cache
     (``max_model_len + max_new_tokens`` slots, on ``cache_shardings`` with ``mesh``) lives
-    only inside the program.
+    only inside the program. The per-turn scores are always returned; ``settings.use_turn_scores``
+    only decides whether ``fused_rollout`` places them, so it does not change the program.
     """
     if not settings.train_on_sampled_ids:
         raise ValueError("the fused rollout trains on the sampled ids: set train_on_sampled_ids=True "
@@ -410,8 +415,10 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
             blocks.append(_Block(b.keys, state, jnp.where(on, total, b.reward_total)))
             done_now = on & done
             out_of_budget = on & ~done & (count >= t.env.max_actions_per_traj)
+            turn_scores = e.turn_scores[lo:hi].at[:, s.turn].set(jnp.where(on, t.rewards.totals[total], 0.0))
             columns.append(dict(
-                step_rewards=rewards, num_actions=count, num_penalties=e.num_penalties[lo:hi] + (on & parsed.format_penalty),
+                step_rewards=rewards, turn_scores=turn_scores, num_actions=count,
+                num_penalties=e.num_penalties[lo:hi] + (on & parsed.format_penalty),
                 num_turns=e.num_turns[lo:hi] + on, num_valid=e.num_valid[lo:hi] + (on & stepped & valid),
                 num_effective=e.num_effective[lo:hi] + (on & stepped & effective),
                 terminated=e.terminated[lo:hi] | done_now | out_of_budget,
@@ -432,8 +439,9 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
             blocks.append(_Block(keys, state, jnp.zeros(hi - lo, jnp.int32)))
         zeros, false = jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
         episode = FusedEpisode(jnp.zeros((batch, cache.max_length), jnp.int32), zeros,
-                               jnp.zeros((batch, max_budget), jnp.float32), zeros, zeros, zeros, zeros, zeros, false,
-                               false, jnp.bool_(False))
+                               jnp.zeros((batch, max_budget), jnp.float32),
+                               jnp.zeros((batch, settings.max_turn), jnp.float32), zeros, zeros, zeros, zeros, zeros,
+                               false, false, jnp.bool_(False))
         state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), tuple(blocks), episode)
         final = jax.lax.while_loop(lambda s: (s.turn < settings.max_turn) & jnp.any(~s.episode.terminated),
                                    lambda s: turn_body(params, key, s), state)
@@ -464,7 +472,8 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
     """Runs the compiled episode and lays it out as ``host_rollout`` does (bucketed left padding, masks).
 
     Row i plays block b's environment (tag id b) from ``seeds[i]``; scores and penalties are
-    summed as the host slots sum them (Python numbers, from the integer 0 and 0.0).
+    summed as the host slots sum them (Python numbers, from the integer 0 and 0.0). With
+    ``use_turn_scores`` each played turn's score goes on its turn end (``pack_sequences``).
     """
     settings, tables = program.settings, program.tables
     tag_ids = np.repeat(np.arange(len(program.block_sizes)), program.block_sizes)
@@ -492,5 +501,7 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
                         "num_actions": float(episode.num_actions[i]),
                         "action_is_effective": int(episode.num_effective[i]) / turns,
                         "action_is_valid": int(episode.num_valid[i]) / turns})
+    turn_scores = ([row[:n] for row, n in zip(episode.turn_scores, episode.num_turns)]
+                   if settings.use_turn_scores else None)
     return FusedOutput(pack_sequences(tokenizer, sequences, settings, scores=scores, penalty=penalties,
-                                      group_ids=group_ids, tag_ids=tag_ids), metrics)
+                                      group_ids=group_ids, tag_ids=tag_ids, turn_scores=turn_scores), metrics)

@@ -5,7 +5,8 @@ StarPO-S is the default config, vanilla StarPO adds ``USE_BASE``, and the paper'
 add one more flag set each. A paper recipe is an environment flag set (RAGEN's
 ``_1_bandit`` / ``_2_sokoban`` / ``_3_frozen_lake`` / ``_4_countdown`` configs) followed by an
 algorithm, named ``{env}-{algorithm}``; the rollout-shaping studies of §17 are named
-``sokoban-pxn-{P}x{N}``, ``sokoban-actions{k}`` and ``sokoban-online{k}``. ``load_config``
+``sokoban-pxn-{P}x{N}``, ``sokoban-actions{k}`` and ``sokoban-online{k}``, the generalisation
+runs of §14.1 and Table 4 ``sokoban-generalization*`` and ``bandit-generalization*``. ``load_config``
 resolves a preset plus user overrides into a validated ``StarPOConfig``; ``parse_args`` does the
 same for a command line in RAGEN's form ``--preset starpo-s-grpo actor_rollout_ref.actor.clip_ratio_high=0.2 ...``.
 ``MESH_PRESETS`` names the ``--mesh`` value (data, fsdp, tensor) for common accelerators.
@@ -14,12 +15,14 @@ same for a command line in RAGEN's form ``--preset starpo-s-grpo actor_rollout_r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Sequence
 
-from runtime.config import parse_config
+from runtime.config import parse_config, split_section
 from runtime.mesh import MeshConfig
 from starpo_jax.config import StarPOConfig, resolve, validate
+from starpo_jax.custom_envs import SECTION, apply_overrides
 
 USE_PPO = ("algorithm.adv_estimator=gae",)
 USE_GRPO = ("algorithm.adv_estimator=grpo", "agent_proxy.reward_normalization.method=mean_std",
@@ -53,10 +56,23 @@ COUNTDOWN = ("agent_proxy.max_turn=1", "agent_proxy.max_actions_per_turn=1",
 ENVIRONMENTS: dict[str, tuple[str, ...]] = {
     "bandit": BANDIT, "sokoban": SOKOBAN, "frozenlake": FROZEN_LAKE, "countdown": COUNTDOWN}
 # train_all.sh's SOKOBAN_GENERALIZATION_CONFIG: validate on 128 states of each of four variants.
+SOKOBAN_GENERALIZATION_TAGS = ("SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab", "FrozenLake")
 SOKOBAN_GENERALIZATION = SOKOBAN + (
     "es_manager.val.env_groups=512", "es_manager.val.group_size=1",
-    "es_manager.val.env_configs.tags=[SimpleSokoban,LargerSokoban,SokobanDifferentGridVocab,FrozenLake]",
+    f"es_manager.val.env_configs.tags=[{','.join(SOKOBAN_GENERALIZATION_TAGS)}]",
     "es_manager.val.env_configs.n_groups=[128,128,128,128]")
+
+
+def bandit_arms(train: tuple[str, str], test: tuple[str, str]) -> tuple[str, ...]:
+    """The (low, high) arm names of the ``Bandit`` training tag and the ``BanditTest`` validation tag."""
+    return tuple(f"custom_envs.{tag}.env_config.{arm}_arm_name={name}"
+                 for tag, names in (("Bandit", train), ("BanditTest", test)) for arm, name in zip(("lo", "hi"), names))
+
+
+# train_all.sh's Bandit generalisation runs (spec §14.1): train on Engineer / Teacher, validate on
+# Trader / Librarian; the "Rev" runs swap low and high arm in both.
+BANDIT_GENERALIZATION = BANDIT + bandit_arms(("Engineer", "Teacher"), ("Trader", "Librarian"))
+BANDIT_GENERALIZATION_REV = BANDIT + bandit_arms(("Teacher", "Engineer"), ("Librarian", "Trader"))
 
 
 def filter_ratio(ratio: float) -> tuple[str, ...]:
@@ -75,8 +91,9 @@ def groups(env_groups: int, group_size: int) -> tuple[str, ...]:
 
 
 def actions_per_turn(k: int) -> tuple[str, ...]:
-    """At most ``k`` actions per turn (Table 3); RAGEN also sets each env's budget to ``5 k``."""
-    return (f"agent_proxy.max_actions_per_turn={k}",)
+    """At most ``k`` actions per turn and ``5 k`` per trajectory in every environment of the run (Table 3)."""
+    return (f"agent_proxy.max_actions_per_turn={k}",) + tuple(
+        f"custom_envs.{tag}.max_actions_per_traj={5 * k}" for tag in SOKOBAN_GENERALIZATION_TAGS)
 
 
 def online(k: int) -> tuple[str, ...]:
@@ -110,7 +127,10 @@ PAPER_RECIPES: dict[str, tuple[str, ...]] = {
        for name, algorithm in ALGORITHMS.items() if name not in MAIN_ALGORITHMS},
     "sokoban-generalization": SOKOBAN_GENERALIZATION + USE_PPO,
     "sokoban-generalization-nothink": SOKOBAN_GENERALIZATION + USE_PPO + NO_THINK,
-    "bandit-generalization-nothink": BANDIT + USE_PPO + NO_THINK,
+    "bandit-generalization": BANDIT_GENERALIZATION + USE_PPO,
+    "bandit-generalization-nothink": BANDIT_GENERALIZATION + USE_PPO + NO_THINK,
+    "bandit-generalization-rev": BANDIT_GENERALIZATION_REV + USE_PPO,
+    "bandit-generalization-rev-nothink": BANDIT_GENERALIZATION_REV + USE_PPO + NO_THINK,
     **{f"sokoban-pxn-{p}x{n}": SOKOBAN_GENERALIZATION + USE_PPO + groups(p, n)
        for p, n in ((4, 32), (8, 16), (16, 8), (32, 4), (64, 2), (128, 1))},
     **{f"sokoban-actions{k}": SOKOBAN_GENERALIZATION + USE_PPO + actions_per_turn(k) for k in range(1, 8)},
@@ -143,12 +163,15 @@ def load_config(preset: str = "starpo-s-ppo", overrides: Sequence[str] = ()) -> 
     """The named preset with ``overrides`` (RAGEN ``key=value`` or tyro ``--key value``) on top.
 
     Overrides are parsed by ``runtime.config.parse_config``, which exits with a message naming
-    the field for unknown keys or ill-typed values; the result is resolved and validated.
+    the field for unknown keys or ill-typed values; ``custom_envs.*`` keys by
+    ``starpo_jax.custom_envs.apply_overrides``, which raises a ValueError naming the key. The
+    result is resolved and validated.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    config = parse_config(StarPOConfig, StarPOConfig(), [*PRESETS[preset], *overrides],
-                          description=f"StarPO configuration, preset {preset}")
+    env_overrides, rest = split_section([*PRESETS[preset], *overrides], SECTION)
+    config = parse_config(StarPOConfig, StarPOConfig(), rest, description=f"StarPO configuration, preset {preset}")
+    config = dataclasses.replace(config, custom_envs=apply_overrides(config.custom_envs, env_overrides))
     return validate(resolve(config))
 
 

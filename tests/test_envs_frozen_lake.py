@@ -1,5 +1,7 @@
 """FrozenLake: solvable maps, gymnasium's dynamics and slip statistics, RAGEN's text, the solver."""
 
+import itertools
+
 import gymnasium
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import pytest
 
 import envs
 from envs.frozen_lake import FrozenLakeState
-from envs.solvers import frozen_lake_transitions, solve_frozen_lake
+from envs.solvers import frozen_lake_transitions, plan_frozen_lake, solve_frozen_lake
 
 NUM_MAPS = 1000
 
@@ -145,6 +147,41 @@ def test_solver_finds_the_most_likely_path():
         position = nxt
     assert rows[position // 4][position % 4] == "G" and path_prob == pytest.approx(slippery_prob)
     assert solve_frozen_lake(np.array([[ord(c) for c in r] for r in ["SH", "HG"]], np.uint8), 0) is None
+
+
+def test_turn_planner_maximises_the_goal_probability_over_the_turns_left():
+    """Brute force on gymnasium's own table: every open-loop turn of k actions, re-chosen each turn."""
+    rows = ["SFFH", "FHFF", "FFHF", "HFFG"]
+    desc = np.array([[ord(c) for c in row] for row in rows], np.uint8)
+    table = gymnasium.make("FrozenLake-v1", desc=rows, is_slippery=True).unwrapped.P
+    terminal = {i for i, tile in enumerate("".join(rows)) if tile in "HG"}
+
+    def after(cell, actions):
+        """{cell: probability} after playing ``actions`` open loop; holes and the goal absorb."""
+        if not actions or cell in terminal:
+            return {cell: 1.0}
+        out = {}
+        for p, nxt, _, _ in table[cell][actions[0]]:
+            for end, q in after(nxt, actions[1:]).items():
+                out[end] = out.get(end, 0.0) + p * q
+        return out
+
+    def value(cell, turns, k):
+        if "".join(rows)[cell] == "G":
+            return 1.0
+        if turns == 0 or cell in terminal:
+            return 0.0
+        return max(sum(p * value(end, turns - 1, k) for end, p in after(cell, seq).items())
+                   for seq in itertools.product(range(4), repeat=k))
+
+    for cell, turns, k in [(0, 1, 3), (0, 3, 2), (0, 2, 3), (6, 2, 2), (14, 1, 1)]:
+        actions, prob = plan_frozen_lake(desc, cell, turns, k)
+        assert len(actions) == k and prob == pytest.approx(value(cell, turns, k), abs=1e-12)
+        chosen = sum(p * value(end, turns - 1, k) for end, p in after(cell, tuple(actions)).items())
+        assert chosen == pytest.approx(prob, abs=1e-12)
+    assert plan_frozen_lake(desc, 0, 3, 3)[1] > plan_frozen_lake(desc, 0, 2, 3)[1] > plan_frozen_lake(desc, 0, 1, 3)[1] == 0
+    with pytest.raises(ValueError, match="turns and actions_per_turn must be >= 1, got 0 and 2"):
+        plan_frozen_lake(desc, 0, 0, 2)
 
 
 def test_bad_size_names_the_field():

@@ -25,7 +25,7 @@ FRAGMENTS = [
 
 def train_tokenizer(name: str, pre_tokenizer) -> PreTrainedTokenizerFast:
     """A small byte-level BPE trained on the environments' own text (no download)."""
-    corpus = [env_prefix(envs.make(tag)) for tag in envs.ENV_TAGS] * 10
+    corpus = [env_prefix(envs.make(tag)) for tag in envs.CUSTOM_ENVS] * 10
     corpus += ["######\n#___##\n#_X__#\n#_O#_#\n#P___#\n######\n", "P___\n_O__\n__G_\n____\n"] * 50
     corpus += ["<think>The box is above the target.</think><answer>Up || Up</answer>"] * 50
     tokenizer = Tokenizer(models.BPE())

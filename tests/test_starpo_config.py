@@ -148,8 +148,8 @@ def replace_path(config, dotted, value):
     ({"grpo_advantage_length_weight": True}, "requires algorithm.adv_estimator=grpo"),
     ({"actor_rollout_ref.rollout.max_model_len": 400}, "max_model_len=400 must exceed"),
     ({"agent_proxy.rollout_driver": "fused"}, "rollout_driver=fused requires train_on_sampled_ids=True"),
-    ({"agent_proxy.rollout_driver": "fused", "train_on_sampled_ids": True, "agent_proxy.use_turn_scores": True},
-     "rollout_driver=fused supports neither agent_proxy.use_turn_scores"),
+    ({"agent_proxy.rollout_driver": "fused", "train_on_sampled_ids": True, "agent_proxy.max_context_window": 2},
+     "rollout_driver=fused does not support agent_proxy.max_context_window: the cut history is re-rendered"),
     ({"agent_proxy.max_context_window": 2, "train_on_sampled_ids": True}, "max_context_window re-renders"),
 ])
 def test_invalid_configs_fail_with_the_field_name(fields, match):
@@ -158,6 +158,14 @@ def test_invalid_configs_fail_with_the_field_name(fields, match):
         config = replace_path(config, dotted, value)
     with pytest.raises(ValueError, match=match):
         validate(resolve(config))
+
+
+def test_fused_driver_accepts_turn_scores():
+    config = StarPOConfig()
+    for dotted, value in {"agent_proxy.rollout_driver": "fused", "train_on_sampled_ids": True,
+                          "agent_proxy.use_turn_scores": True}.items():
+        config = replace_path(config, dotted, value)
+    assert validate(resolve(config)).agent_proxy.use_turn_scores
 
 
 def test_unknown_preset_and_wrong_section_type():

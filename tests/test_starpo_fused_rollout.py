@@ -25,12 +25,15 @@ from starpo_jax.rollout import RolloutSettings, host_rollout
 from starpo_jax.sampler import SamplerConfig, make_sampler
 from starpo_jax.trajectory import render_chat
 
-TAGS = ("Bandit", "FrozenLake")
-ROWS = (3, 5)
-SEEDS = (11, 12, 13, 21, 22, 23, 24, 25)
+TAGS = ("Bandit", "FrozenLake", "ShortLake")
+ROWS = (3, 3, 2)
+SEEDS = (11, 12, 13, 62, 107, 23, 24, 25)  # moving Left, FrozenLake 62 and 107 reach the goal in turns 2 and 3
 RESPONSE = "go</think><answer>Left || Dragon</answer>"
 NEW_TOKENS = 12
 SETTINGS = RolloutSettings(max_turn=3, max_model_len=768, train_on_sampled_ids=True, bucket=256)
+# A new custom_envs tag: FrozenLake with a budget of 2 actions (under max_turn=3 turns of one action), max_tokens 50.
+CUSTOM_ENVS = {**envs.CUSTOM_ENVS, "ShortLake": dataclasses.replace(envs.CUSTOM_ENVS["FrozenLake"],
+                                                                   max_actions_per_traj=2, max_tokens=50)}
 
 
 def chain_params(params, response_ids, config):
@@ -71,7 +74,7 @@ def setup(tmp_path_factory):
     assert len(set(chain)) == len(chain), "the chain model needs distinct tokens"
     sampler_config = SamplerConfig(max_new_tokens=NEW_TOKENS, greedy=True, stop_ids=(tokenizer.eos_token_id,),
                                    pad_id=tokenizer.pad_token_id)
-    tables = [build_env_tables(envs.make(t), tokenizer, SETTINGS) for t in TAGS]
+    tables = [build_env_tables(envs.make(t, CUSTOM_ENVS), tokenizer, SETTINGS) for t in TAGS]
     mesh = make_mesh(MeshConfig(2, 4, 1))
     fused = make_fused_rollout(graphdef, config, sampler_config, tables, ROWS, tokenizer, SETTINGS, mesh)
     return dict(tokenizer=tokenizer, config=config, graphdef=graphdef, random=params,
@@ -84,21 +87,26 @@ def tag_ids():
 
 
 def make_slots():
-    return [reset_slot(GymnaxHostEnv(envs.make(TAGS[tag])), seed, group, tag)
+    return [reset_slot(GymnaxHostEnv(envs.make(TAGS[tag], CUSTOM_ENVS)), seed, group, tag)
             for group, (seed, tag) in enumerate(zip(SEEDS, tag_ids()))]
 
 
-def play_host(s, params):
+def play_host(s, params, settings=SETTINGS):
     slots = make_slots()
-    cache = init_cache(s["config"], len(slots), SETTINGS.max_model_len + NEW_TOKENS)
-    traj = host_rollout(s["host_sampler"], params, s["tokenizer"], slots, cache, jax.random.key(7), SETTINGS)
+    cache = init_cache(s["config"], len(slots), settings.max_model_len + NEW_TOKENS)
+    traj = host_rollout(s["host_sampler"], params, s["tokenizer"], slots, cache, jax.random.key(7), settings)
     return traj, slots
 
 
-def play_fused(s, params):
-    """The fused driver with the batch sharded over 8 devices (data 2 x fsdp 4)."""
+def play_fused(s, params, settings=SETTINGS):
+    """The fused driver with the batch sharded over 8 devices (data 2 x fsdp 4).
+
+    ``settings`` may differ from the compiled ones only in ``use_turn_scores``, which the
+    program does not read, so every call shares the fixture's compile.
+    """
+    program = s["fused"]._replace(settings=settings)
     with jax.set_mesh(s["mesh"]):
-        return fused_rollout(s["fused"], shard_state(params, s["mesh"]), s["tokenizer"], SEEDS, range(len(SEEDS)),
+        return fused_rollout(program, shard_state(params, s["mesh"]), s["tokenizer"], SEEDS, range(len(SEEDS)),
                              jax.random.key(7))
 
 
@@ -108,16 +116,22 @@ def assert_same(traj, metrics, host_traj, slots):
     assert metrics == [slot_metrics(slot) for slot in slots]
 
 
-@pytest.mark.parametrize("weights", ["chain", "random"])
-def test_fused_on_eight_devices_equals_host_on_bandit_and_frozen_lake(setup, weights):
-    host_traj, slots = play_host(setup, setup[weights])
-    out = play_fused(setup, setup[weights])
+@pytest.mark.parametrize("weights,use_turn_scores", [("chain", True), ("random", False)])
+def test_fused_on_eight_devices_equals_host_on_bandit_and_frozen_lake(setup, weights, use_turn_scores):
+    settings = dataclasses.replace(SETTINGS, use_turn_scores=use_turn_scores)
+    host_traj, slots = play_host(setup, setup[weights], settings)
+    out = play_fused(setup, setup[weights], settings)
     assert_same(*out, host_traj, slots)
+    assert (out.trajectory.turn_rewards is not None) == use_turn_scores
     text = setup["tokenizer"].decode(out.trajectory.input_ids[-1])
     if weights == "chain":  # actions run, rows end at different turns, a Bandit pull succeeds
         assert f"<think>{RESPONSE}<|im_end|>" in text
         assert any(s.num_actions > 0 for s in slots[ROWS[0]:]) and slots[0].success
         assert len({len(s.history) for s in slots}) > 1 and all(s.penalty < 0 for s in slots)
+        short = [(row["num_actions"], s.truncated, len(s.history)) for row, s in zip(out.metrics, slots)][-ROWS[2]:]
+        assert short == [(2.0, True, 3)] * ROWS[2]  # one action a turn: the budget ends ShortLake after turn 2
+        assert "You can make up to 2 actions" in text and "Max response length: 50 words" in text
+        assert [s.turn_scores for s in slots[2:5]] == [[1.0], [0.0, 1.0], [0.0, 0.0, 1.0]]
     else:  # responses hit the length cap without the turn end: the driver closes them
         assert text.count("<|im_start|>assistant\n<think>") == SETTINGS.max_turn
         assert all(s.num_actions == 0 and len(s.history) == SETTINGS.max_turn + 1 for s in slots)
@@ -134,7 +148,8 @@ def test_reward_automaton_spells_python_sums():
         state = 0
         for v in steps:
             state = int(table.next_total[state, v])
-        assert texts[state] == reward_text([env.reward_value(float(values[v]), params) for v in steps])
+        rewards = [env.reward_value(float(values[v]), params) for v in steps]
+        assert texts[state] == reward_text(rewards) and table.totals[state] == np.float32(sum(rewards))
     assert texts[0] == "Reward:\n0\n" and "Reward:\n-0.30000000000000004\n" in texts
 
 

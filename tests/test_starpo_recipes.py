@@ -28,7 +28,7 @@ def test_every_preset_resolves_and_validates():
         except (ValueError, TypeError, SystemExit) as error:
             failures[name] = repr(error)
     assert not failures
-    assert len(PAPER_RECIPES) == 64 and set(PAPER_RECIPES) <= set(PRESETS)
+    assert len(PAPER_RECIPES) == 67 and set(PAPER_RECIPES) <= set(PRESETS)
 
 
 def test_environment_recipes_follow_ragen_env_configs():
@@ -80,6 +80,9 @@ def test_actions_per_turn_and_online_k_studies():
     for k in range(1, 8):
         config = load_config(f"sokoban-actions{k}")
         assert config.agent_proxy.max_actions_per_turn == k and config.agent_proxy.max_turn == 5
+        budgets = {tag: entry.max_actions_per_traj for tag, entry in config.custom_envs.items()}
+        assert budgets == {**{tag: 5 * k for tag in GENERALIZATION_VAL}, "Bandit": 1, "BanditTest": 1, "Countdown": 1}
+        assert config.es_manager.train.env_configs.tags == ("SimpleSokoban",)
     expected = {1: (8, 200), 2: (16, 100), 5: (40, 40), 10: (80, 80)}
     for k, (env_groups, steps) in expected.items():
         config = load_config(f"sokoban-online{k}")
@@ -88,6 +91,24 @@ def test_actions_per_turn_and_online_k_studies():
         assert kept_mini_batches(config) == k  # one rollout batch feeds k updates
     nothink = load_config("sokoban-generalization-nothink")
     assert nothink.agent_proxy.enable_think is False and nothink.es_manager.val.env_configs.tags == GENERALIZATION_VAL
+
+
+@pytest.mark.parametrize("name,train,test", [
+    ("bandit-generalization", ("Engineer", "Teacher"), ("Trader", "Librarian")),
+    ("bandit-generalization-nothink", ("Engineer", "Teacher"), ("Trader", "Librarian")),
+    ("bandit-generalization-rev", ("Teacher", "Engineer"), ("Librarian", "Trader")),
+    ("bandit-generalization-rev-nothink", ("Teacher", "Engineer"), ("Librarian", "Trader")),
+])
+def test_bandit_generalization_runs_use_ragens_arm_names(name, train, test):
+    """``train_all.sh`` §5.1: (low, high) arms of the training and the held-out tag; "rev" swaps both."""
+    config = load_config(name)
+    arms = {tag: (entry.env_config["lo_arm_name"], entry.env_config["hi_arm_name"])
+            for tag, entry in config.custom_envs.items() if tag in ("Bandit", "BanditTest")}
+    assert arms == {"Bandit": train, "BanditTest": test}
+    assert config.es_manager.train.env_configs.tags == ("Bandit",)
+    assert config.es_manager.val.env_configs.tags == ("Bandit", "BanditTest")
+    assert config.agent_proxy.enable_think is not name.endswith("-nothink")
+    assert config.algorithm.adv_estimator == "gae" and config.actor_rollout_ref.rollout.rollout_filter_ratio == 0.25
 
 
 @pytest.mark.parametrize("name,devices", [("gpu", 1), ("gpu-8", 8), ("v4-8", 4), ("v5e-8", 8), ("v4-32", 16)])

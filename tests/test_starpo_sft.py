@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import envs
-from envs.solvers import solve_frozen_lake
+from envs.solvers import plan_frozen_lake
 from envs.text import parse_response
 from starpo_jax.demonstrations import demonstrate
 from starpo_jax.plots import ema, env_tags, plot_echo_trap, series
@@ -28,15 +28,15 @@ def test_bandit_demonstrations_pull_each_arm_half_the_time_in_ragen_format():
     assert np.mean([s.success for s in slots]) == 0.5
 
 
-def test_frozen_lake_demonstrations_follow_the_solver_each_turn():
+def test_frozen_lake_demonstrations_follow_the_turn_planner_each_turn():
     env = envs.make("FrozenLake")
-    slot = demonstrate("FrozenLake", [7], max_turn=1, actions_per_turn=2)[0]
+    slot = demonstrate("FrozenLake", [7], max_turn=3, actions_per_turn=2)[0]
     from starpo_jax.env_manager import GymnaxHostEnv
     fresh = GymnaxHostEnv(env)
     fresh.reset(7)
-    plan, _ = solve_frozen_lake(np.asarray(fresh.state.desc), int(fresh.state.position))
+    plan, _ = plan_frozen_lake(np.asarray(fresh.state.desc), int(fresh.state.position), turns=3, actions_per_turn=2)
     parsed = parse_response(slot.history[0].llm_response)
-    assert parsed.actions == [env.action_names[a] for a in plan[:2]]
+    assert parsed.actions == [env.action_names[a] for a in plan]
     assert slot.history[0].llm_response == f"<think>I avoid the holes and go to the goal.</think><answer>" \
                                            f"{' || '.join(parsed.actions)}</answer>"
 

@@ -1,0 +1,93 @@
+"""RAGEN's environment registry (``custom_envs`` of ``config/envs.yaml``) and the one way a tag becomes an env.
+
+An entry names an environment type and the tag-level keys RAGEN reads off it (spec §14): the action
+budget ``max_actions_per_traj``, the ``env_instruction`` that opens the prompt, the ``max_tokens`` the
+prompt announces, and ``env_config``, keyword arguments of the type's constructor. As in RAGEN, the
+prompt's symbol legend and action list follow the type's defaults, not ``env_config`` (spec §4,
+decision 18): ``SokobanDifferentGridVocab`` draws ``W . G C B A @`` but lists the default symbols
+unless ``env_config`` sets ``legend_from_config=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, Mapping
+
+from envs.bandit import Bandit
+from envs.countdown import Countdown
+from envs.frozen_lake import FrozenLake
+from envs.sokoban import DIFFERENT_GRID_LOOKUP, Sokoban
+
+# RAGEN's ``env_type`` names.
+ENV_TYPES: dict[str, type] = {"bandit": Bandit, "sokoban": Sokoban, "frozen_lake": FrozenLake, "countdown": Countdown}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvEntry:
+    """One ``custom_envs.<Tag>`` entry.
+
+    Attributes:
+      env_type: a key of ``ENV_TYPES``.
+      max_actions_per_traj: the actions one trajectory may execute; the prompt announces it.
+      env_instruction: the text that opens the first user message.
+      max_tokens: the "Max response length: {max_tokens} words" of every state block (generation
+        is capped by ``response_length``, not by this).
+      env_config: keyword arguments of the type's constructor, e.g. Bandit's ``lo_arm_name``.
+    """
+
+    env_type: str
+    max_actions_per_traj: int
+    env_instruction: str
+    max_tokens: int
+    env_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of_type(cls, env_type: str, **env_config: Any) -> EnvEntry:
+        """An entry with the type's own budget, instruction and ``max_tokens``."""
+        env = ENV_TYPES[env_type]
+        return cls(env_type, env.max_actions_per_traj, env.env_instruction, env.max_tokens, env_config)
+
+
+CUSTOM_ENVS: dict[str, EnvEntry] = {
+    "Bandit": EnvEntry.of_type("bandit", lo_arm_name="Phoenix", hi_arm_name="Dragon"),
+    "BanditTest": EnvEntry.of_type("bandit", lo_arm_name="Trader", hi_arm_name="Librarian"),
+    "SimpleSokoban": EnvEntry.of_type("sokoban", dim_room=(6, 6), num_boxes=1, search_depth=300),
+    "LargerSokoban": EnvEntry.of_type("sokoban", dim_room=(8, 8), num_boxes=2, search_depth=10),
+    "SokobanDifferentGridVocab": EnvEntry.of_type("sokoban", dim_room=(6, 6), num_boxes=1, search_depth=30,
+                                                  grid_lookup=DIFFERENT_GRID_LOOKUP),
+    "FrozenLake": EnvEntry.of_type("frozen_lake"),
+    "Countdown": EnvEntry.of_type("countdown"),
+}
+
+
+def env_config_types(env_type: str) -> dict[str, Any]:
+    """The keywords ``env_config`` may set for ``env_type`` (its constructor's), with their annotations."""
+    constructor = ENV_TYPES[env_type].__init__
+    hints = typing.get_type_hints(constructor)
+    return {name: hints[name] for name in list(inspect.signature(constructor).parameters)[1:]}
+
+
+def make(tag: str, custom_envs: Mapping[str, EnvEntry] | None = None, **env_config: Any):
+    """The environment ``custom_envs[tag]`` configures (``CUSTOM_ENVS`` when ``None``).
+
+    Keywords override the entry's ``env_config``, e.g. ``make("FrozenLake", size=6)``. The
+    environment carries the entry's ``max_actions_per_traj``, ``env_instruction`` and
+    ``max_tokens``, and ``tag``.
+
+    Raises:
+      ValueError: naming the tag when ``custom_envs`` has no entry for it, or the entry's type
+        when that is unknown.
+    """
+    custom_envs = CUSTOM_ENVS if custom_envs is None else custom_envs
+    if tag not in custom_envs:
+        raise ValueError(f"unknown environment tag {tag!r}: custom_envs defines {sorted(custom_envs)}; "
+                         f"define it with custom_envs.{tag}.env_type=<one of {', '.join(ENV_TYPES)}>")
+    entry = custom_envs[tag]
+    if entry.env_type not in ENV_TYPES:
+        raise ValueError(f"custom_envs.{tag}.env_type must be one of {tuple(ENV_TYPES)}, got {entry.env_type!r}")
+    env = ENV_TYPES[entry.env_type](**{**entry.env_config, **env_config})
+    env.tag, env.max_actions_per_traj = tag, entry.max_actions_per_traj
+    env.env_instruction, env.max_tokens = entry.env_instruction, entry.max_tokens
+    return env

@@ -82,14 +82,18 @@ class FrozenLake(TextEnvironment):
     max_actions_per_traj = 10
     prompt_lists_actions = True
 
-    def __init__(self, size: int = 4):
+    def __init__(self, size: int = 4, p: float = 0.8, is_slippery: bool = True):
+        """RAGEN's ``FrozenLakeEnvConfig``: ``size``, ``p`` (probability a tile is frozen), ``is_slippery``."""
         self.size = check_positive_int("size", size)
         if self.size < 2:
             raise ValueError(f"size must be at least 2 (start and goal differ), got {size}")
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"p must be in (0, 1] (the probability that a tile is frozen), got {p}")
+        self.params = FrozenLakeParams(p=float(p), is_slippery=bool(is_slippery))
 
     @property
     def default_params(self) -> FrozenLakeParams:
-        return FrozenLakeParams()
+        return self.params
 
     def reset_env(self, key: jax.Array, params: FrozenLakeParams):
         desc = generate_map(key, self.size, params.p)

@@ -1,7 +1,6 @@
-"""Host-side solvers for demonstrations and tests: BFS for Sokoban; for FrozenLake the most likely path
-and the turn plan that maximises the chance of reaching the goal within the remaining turns."""
+"""Host-side solvers for demonstrations and tests: BFS for Sokoban; for FrozenLake the turn plan that
+maximises the chance of reaching the goal within the remaining turns."""
 
-import heapq
 import itertools
 from collections import deque
 
@@ -78,31 +77,6 @@ def frozen_lake_transitions(desc, position: int, action: int, is_slippery: bool 
         nxt = min(max(row + dr, 0), size - 1) * size + min(max(col + dc, 0), size - 1)
         outcomes[nxt] = outcomes.get(nxt, 0.0) + (1 / 3 if is_slippery else 1.0)
     return outcomes
-
-
-def solve_frozen_lake(desc, position: int, is_slippery: bool = True) -> tuple[list[int], float] | None:
-    """Most likely path to the goal: actions (0 Left, 1 Down, 2 Right, 3 Up) and its probability.
-
-    Dijkstra on ``-log P(next | cell, action)`` never entering a hole; ties go to the shorter path,
-    so without slip this is the BFS shortest path. Returns None when the goal is unreachable.
-    """
-    tiles = np.asarray(desc).ravel()
-    frontier = [(0.0, 0, int(position), [])]
-    settled = set()
-    while frontier:
-        cost, length, cell, actions = heapq.heappop(frontier)
-        if cell in settled:
-            continue
-        settled.add(cell)
-        if tiles[cell] == GOAL:
-            return actions, float(np.exp(-cost))
-        if tiles[cell] == HOLE:
-            continue
-        for action in range(4):
-            for nxt, prob in frozen_lake_transitions(desc, cell, action, is_slippery).items():
-                if nxt != cell and nxt not in settled and tiles[nxt] != HOLE:
-                    heapq.heappush(frontier, (cost - np.log(prob), length + 1, nxt, actions + [action]))
-    return None
 
 
 def frozen_lake_matrices(desc, is_slippery: bool = True) -> np.ndarray:

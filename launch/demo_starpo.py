@@ -5,11 +5,12 @@
    stay at character level), loaded back through ``transformers``.
 2. Model: a small random Qwen2-architecture policy, saved as a Hugging Face folder.
 3. Supervised warm-up on demonstrations (``starpo_jax.demonstrations``): FrozenLake
-   follows the solver's most likely path, Bandit pulls a random arm, so the policy
-   learns the format and starts at chance on Bandit.
-4. StarPO-S, one stage per environment (Bandit, then FrozenLake from the Bandit
-   result), each ``launch.starpo.train`` on the previous stage's exported model;
-   validation on held-out seeds before the first and after the last iteration.
+   plays the best turn for the turns left, with random actions mixed in; Bandit shows
+   each prompt with both arms, so the policy learns the format and starts near chance.
+4. StarPO-S, one stage per environment, each ``launch.starpo.train`` from the SFT
+   model; validation on held-out seeds before the first and after the last iteration.
+   ``custom_envs.*`` overrides configure the environments of the demonstrations and of
+   every stage (e.g. ``custom_envs.FrozenLake.env_config.is_slippery=false``).
 5. PNG plots (the Echo Trap panel per stage, the SFT curve) and ``summary.json``.
 
 Outputs under ``--out``: ``tokenizer/``, ``init/``, ``sft/`` (HF folders),
@@ -24,15 +25,18 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from envs.registry import CUSTOM_ENVS, EnvEntry
+from runtime.config import split_section
 from runtime.metrics import MetricWriter, read_jsonl
 from runtime.sharding import create_sharded
 from starpo_jax.chat_tokenizer import train_chat_tokenizer
+from starpo_jax.custom_envs import SECTION, apply_overrides
 from starpo_jax.demonstrations import demonstrate
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.hf_io import save_pretrained
@@ -68,7 +72,8 @@ class DemoConfig:
     num_layers: int = 2
     num_heads: int = 2
     num_kv_heads: int = 1
-    demos: tuple[tuple[str, int, float], ...] = (("Bandit", 128, 0.0), ("FrozenLake", 384, 0.5))
+    # (tag, demonstrations, action noise, demonstrations per seed): Bandit shows each prompt with both arms.
+    demos: tuple[tuple[str, int, float, int], ...] = (("Bandit", 128, 0.0, 2), ("FrozenLake", 384, 0.5, 1))
     actions_per_turn: int = 3
     sft_steps: int = 150
     sft_batch_size: int = 8
@@ -94,8 +99,8 @@ class DemoConfig:
                  "trainer.total_training_steps=1", "trainer.test_freq=1", "ppo_mini_batch_size=2",
                  "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=1")
         return cls(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                   num_kv_heads=1, demos=(("Bandit", 4, 0.0), ("FrozenLake", 4, 0.5)), sft_steps=2, sft_batch_size=4,
-                   rollout_bucket=768, stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
+                   num_kv_heads=1, demos=(("Bandit", 4, 0.0, 2), ("FrozenLake", 4, 0.5, 1)), sft_steps=2,
+                   sft_batch_size=4, rollout_bucket=768, stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
 
 
 def stage_overrides(stage: Stage, model_path: Path) -> list[str]:
@@ -131,16 +136,17 @@ def build_policy(config: DemoConfig, tokenizer, mesh: Mesh, folder: Path) -> Cau
     return model
 
 
-def warm_up(config: DemoConfig, out: Path, mesh: Mesh) -> Path:
-    """Tokenizer, random policy and SFT on demonstrations; returns the SFT model folder."""
+def warm_up(config: DemoConfig, out: Path, mesh: Mesh, custom_envs: Mapping[str, EnvEntry]) -> Path:
+    """Tokenizer, random policy and SFT on demonstrations in ``custom_envs``; returns the SFT model folder."""
     sft_folder = out / "sft"
     if (sft_folder / "config.json").exists():
         return sft_folder
     max_turn = {stage.tag: stage.max_turn for stage in config.stages}
     slots = []
-    for tag_id, (tag, count, noise) in enumerate(config.demos):
-        seeds = range(DEMO_SEED + tag_id * count, DEMO_SEED + (tag_id + 1) * count)
-        slots += demonstrate(tag, seeds, max_turn[tag], config.actions_per_turn, noise, tag_id=tag_id)
+    for tag_id, (tag, count, noise, per_seed) in enumerate(config.demos):
+        seeds = [DEMO_SEED + tag_id * count + i // per_seed for i in range(count)]
+        slots += demonstrate(tag, seeds, max_turn[tag], config.actions_per_turn, noise, tag_id=tag_id,
+                             custom_envs=custom_envs)
     tokenizer = train_chat_tokenizer(tokenizer_corpus(slots), out / "tokenizer", config.vocab_size)
     with jax.set_mesh(mesh):
         model = build_policy(config, tokenizer, mesh, out / "init")
@@ -168,7 +174,8 @@ def run(out: Path, mesh: Mesh, preset: str = "starpo-s-ppo", overrides: Sequence
 
     clock = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    model_path = warm_up(config, out, mesh)
+    custom_envs = apply_overrides(CUSTOM_ENVS, split_section(overrides, SECTION)[0])
+    model_path = warm_up(config, out, mesh, custom_envs)
     (out / "plots").mkdir(exist_ok=True)
     plot_sft(out / "logs" / "sft" / "metrics.jsonl", out / "plots" / "sft.png")
     summary: dict[str, float] = {}
@@ -180,7 +187,6 @@ def run(out: Path, mesh: Mesh, preset: str = "starpo-s-ppo", overrides: Sequence
         summary[f"{stage.tag}/success_after_sft"], summary[f"{stage.tag}/success_after_rl"] = before, after
         plot_echo_trap(stage_out / "metrics.jsonl", out / "plots" / f"rl_{stage.tag.lower()}.png",
                        title=f"StarPO-S ({preset}) on {stage.tag}")
-        model_path = stage_out / "hf_model"
     summary["wall_time_s"] = time.perf_counter() - clock
     summary["load_average_1min"] = os.getloadavg()[0]
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

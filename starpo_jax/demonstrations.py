@@ -37,7 +37,8 @@ def bandit_turn(slot: Slot) -> list[str]:
 def frozen_lake_turn(slot: Slot, rng: np.random.Generator, actions_per_turn: int, turns_left: int) -> list[str]:
     """The turn plan that maximises the chance of reaching the goal within ``turns_left`` turns."""
     state = slot.env.state
-    moves, _ = plan_frozen_lake(np.asarray(state.desc), int(state.position), turns_left, actions_per_turn)
+    moves, _ = plan_frozen_lake(np.asarray(state.desc), int(state.position), turns_left, actions_per_turn,
+                                bool(slot.env.params.is_slippery))
     return [slot.env.action_names[m] for m in moves]
 
 

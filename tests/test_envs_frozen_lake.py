@@ -10,7 +10,7 @@ import pytest
 
 import envs
 from envs.frozen_lake import FrozenLakeState
-from envs.solvers import frozen_lake_transitions, plan_frozen_lake, solve_frozen_lake
+from envs.solvers import plan_frozen_lake
 
 NUM_MAPS = 1000
 
@@ -116,39 +116,6 @@ def test_hole_and_goal_end_the_episode(maps):
     assert env.render_text(state) == "____\n____\nP___\nG___"
 
 
-def test_solver_finds_the_most_likely_path():
-    rows = ["SFFF", "FHFH", "FFFH", "HFFG"]
-    desc = np.array([[ord(c) for c in row] for row in rows], np.uint8)
-    actions, prob = solve_frozen_lake(desc, 0, is_slippery=False)
-    assert len(actions) == 6 and prob == 1.0
-    position = 0
-    for action in actions:
-        (position,) = frozen_lake_transitions(desc, position, action, is_slippery=False)
-    assert rows[position // 4][position % 4] == "G"
-    slippery_actions, slippery_prob = solve_frozen_lake(desc, 0, is_slippery=True)
-    gym_env = gymnasium.make("FrozenLake-v1", desc=rows, is_slippery=True).unwrapped
-    merged = {}
-    for cell in range(16):
-        for action in range(4):
-            for p, nxt, _, _ in gym_env.P[cell][action]:
-                key = (cell, action, nxt)
-                merged[key] = merged.get(key, 0.0) + p
-    best = np.zeros(16)  # value iteration for the most probable path into G, from gymnasium's table
-    best[15] = 1.0
-    for _ in range(32):
-        for (cell, _, nxt), p in merged.items():
-            if rows[cell // 4][cell % 4] in "SF" and rows[nxt // 4][nxt % 4] != "H" and nxt != cell:
-                best[cell] = max(best[cell], p * best[nxt])
-    assert slippery_prob == pytest.approx(best[0])
-    position, path_prob = 0, 1.0
-    for action in slippery_actions:
-        nxt = max((n for (c, a, n) in merged if c == position and a == action), key=lambda n: merged[(position, action, n)] * best[n])
-        path_prob *= merged[(position, action, nxt)]
-        position = nxt
-    assert rows[position // 4][position % 4] == "G" and path_prob == pytest.approx(slippery_prob)
-    assert solve_frozen_lake(np.array([[ord(c) for c in r] for r in ["SH", "HG"]], np.uint8), 0) is None
-
-
 def test_turn_planner_maximises_the_goal_probability_over_the_turns_left():
     """Brute force on gymnasium's own table: every open-loop turn of k actions, re-chosen each turn."""
     rows = ["SFFH", "FHFF", "FFHF", "HFFG"]
@@ -187,3 +154,17 @@ def test_turn_planner_maximises_the_goal_probability_over_the_turns_left():
 def test_bad_size_names_the_field():
     with pytest.raises(ValueError, match="size"):
         envs.make("FrozenLake", size=1)
+
+
+def test_env_config_sets_slip_and_frozen_probability():
+    """RAGEN's ``FrozenLakeEnvConfig`` keys: without slip every move goes where it was meant; ``p=1`` has no holes."""
+    env = envs.make("FrozenLake", is_slippery=False, p=1.0)
+    state = state_of(["SFFF", "FFFF", "FFFF", "FFFG"], 5)
+    step = jax.jit(env.step_env)
+    for action, expected in [(0, 4), (1, 9), (2, 6), (3, 1)]:
+        for k in range(8):
+            assert int(step(jax.random.key(k), state, action, env.default_params)[1].position) == expected
+    maps = jax.vmap(lambda k: env.reset_env(k, env.default_params)[1].desc)(jax.random.split(jax.random.key(0), 64))
+    assert not np.any(np.asarray(maps) == ord("H"))
+    with pytest.raises(ValueError, match=r"p must be in \(0, 1\]"):
+        envs.make("FrozenLake", p=0.0)

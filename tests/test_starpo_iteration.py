@@ -4,6 +4,7 @@ for each algorithm preset; the LoRA preset trains only adapters; turn scores rep
 import chex
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -44,7 +45,7 @@ def run(preset, mesh, micro_batch_size_per_gpu, overrides=(), traj=None):
         critic = create_sharded(lambda: Critic(MODEL, lora=lora, rngs=nnx.Rngs(1)), mesh) if config.use_critic else None
         learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh, num_micro_batches(config, mesh))
         actor, critic_state, metrics = update(actor, critic_state, learner, traj or trajectory(), config)
-    return jax.device_get(actor.params), metrics
+    return jax.device_get(actor.params), metrics, jax.device_get(optax.tree_utils.tree_get(actor.opt_state, "mu"))
 
 
 @pytest.mark.parametrize("preset,present,absent", [
@@ -56,10 +57,17 @@ def run(preset, mesh, micro_batch_size_per_gpu, overrides=(), traj=None):
 def test_update_on_eight_devices_equals_one(preset, present, absent):
     """Each algorithm preset (PPO with KL-in-reward, GRPO with KL loss, StarPO-S PPO and GRPO). Same
     micro-batches on both meshes (4 rows): averaged metrics such as clip fractions, like the reference's,
-    depend on how a mini-batch is split; the update itself does not."""
-    params_one, metrics_one = run(preset, make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), 4)
-    params_eight, metrics_eight = run(preset, make_mesh(MeshConfig(2, 2, 2)), 1)
-    chex.assert_trees_all_close(params_eight, params_one, atol=1e-4)
+    depend on how a mini-batch is split; the update itself does not.
+
+    The gradients are compared through Adam's first moment (0.1 × the clipped gradient). Parameters get a
+    looser bound: Adam's first step is about lr·sign(g), so a gradient within rounding of 0 may flip sign
+    between summation orders and move its parameter by up to 2·lr either way."""
+    params_one, metrics_one, mu_one = run(preset, make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), 4)
+    params_eight, metrics_eight, mu_eight = run(preset, make_mesh(MeshConfig(2, 2, 2)), 1)
+    for (path, one), eight in zip(jax.tree_util.tree_flatten_with_path(mu_one)[0], jax.tree.leaves(mu_eight)):
+        np.testing.assert_allclose(eight, one, rtol=1e-4, atol=1e-4 * np.abs(one).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+    chex.assert_trees_all_close(params_eight, params_one, atol=2e-3)
     assert metrics_one["actor/grad_norm"] > 0
     for name, value in metrics_one.items():
         if not name.startswith("timing_s/"):
@@ -76,7 +84,7 @@ def test_micro_batch_size_must_divide_over_devices():
 
 def test_lora_preset_trains_only_the_adapters():
     """``starpo-s-ppo-24gb``: LoRA with micro-batches of 1, on one device."""
-    params, metrics = run("starpo-s-ppo-24gb", make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), 1, ("lora.rank=4",))
+    params, metrics, _ = run("starpo-s-ppo-24gb", make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), 1, ("lora.rank=4",))
     for name, value in metrics.items():
         assert np.isfinite(value), name
     assert metrics["actor/grad_norm"] > 0 and "critic/vf_loss" in metrics
@@ -93,7 +101,7 @@ def test_turn_scores_replace_the_normalised_final_reward():
     single = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     keep_all = ("actor_rollout_ref.rollout.rollout_filter_ratio=1",
                 "agent_proxy.reward_normalization.method=mean_std")
-    _, metrics = run("starpo-s-ppo", single, 4, keep_all + ("agent_proxy.use_turn_scores=True",), traj)
+    _, metrics, _ = run("starpo-s-ppo", single, 4, keep_all + ("agent_proxy.use_turn_scores=True",), traj)
     np.testing.assert_allclose(metrics["critic/score/mean"], turn_rewards.sum(axis=1).mean(), rtol=1e-5)
-    _, normalised = run("starpo-s-ppo", single, 4, keep_all, traj)
+    _, normalised, _ = run("starpo-s-ppo", single, 4, keep_all, traj)
     np.testing.assert_allclose(normalised["critic/score/mean"], 0.0, atol=1e-5)  # mean_std centres each group

@@ -31,6 +31,7 @@ from flax import nnx
 from launch.tdd import sample_module
 from launch.tdd_loop import distil_loop
 from runtime.mesh import MeshConfig, make_mesh
+from runtime.sharding import shard_state
 from tdd_jax.data import save_image_grid
 from tdd_jax.digits import (EMPTY_LABEL, NUM_CLASSES, LabelEncoder, feature_stats, from_latents,
                             load_digits_images, score_samples, split_digits, to_latents, train_classifier)
@@ -121,7 +122,7 @@ def distil_student(config: DemoConfig, selector: str, teacher: UNet2DConditionMo
     """A copy of the teacher distilled with ``selector``; returns the student and its last metrics."""
     distill = dataclasses.replace(config.distill, selector=selector)
     graphdef, state = nnx.split(teacher)
-    student = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    student = nnx.merge(graphdef, jax.tree.map(jnp.copy, shard_state(state, mesh)))  # placed: no second compile
     if config.lora_rank:
         add_lora(student, LoraConfig(rank=config.lora_rank, alpha=float(config.lora_rank)), nnx.Rngs(config.seed))
     graphdef, params, frozen = split_model(student, lora=config.lora_rank > 0)

@@ -38,6 +38,19 @@ def init_train_state(params: Any, tx: optax.GradientTransformation, rng: jax.Arr
     return TrainState(params, opt_state, step, jax.device_put(rng, replicated(mesh)))
 
 
+def scan_micro_batches(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any) -> tuple[Any, Any]:
+    """``jax.lax.scan(body, init, xs)`` over micro-batches; a single micro-batch is one direct call, no loop.
+
+    XLA's CPU backend runs gradients of convolutions inside a loop several times slower than
+    straight-line code (the digits demo's distillation step: 1.2 s in a one-trip scan, 0.24 s without),
+    so the common one-micro-batch case skips the loop. Outputs keep their leading micro-batch axis.
+    """
+    if jax.tree.leaves(xs)[0].shape[0] != 1:
+        return jax.lax.scan(body, init, xs)
+    carry, out = body(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda y: y[None], out)
+
+
 def compile_step(step_fn: Callable[..., tuple[TrainState, Any]], state: TrainState, *batch_shardings: Any,
                  metrics_sharding: Any = None) -> Callable[..., tuple[TrainState, Any]]:
     """``jax.jit`` of ``step_fn(state, *batch)`` with explicit shardings and donated state.

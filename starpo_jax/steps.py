@@ -3,7 +3,7 @@
 A model is split once into a graph definition, its trainable variables (all
 parameters, or only the LoRA adapters) and the frozen rest. Each step is
 ``step(state, frozen, batch) -> (state, metrics)``: micro-batches are
-accumulated inside the compiled step with ``lax.scan``, each divided by the
+accumulated inside the compiled step (``runtime.train_state.scan_micro_batches``), each divided by the
 whole mini-batch's ``loss_normalizer`` so the result does not depend on the
 micro-batch size (decision 5), gradients are clipped
 by global norm, and an update with non-finite gradients is skipped and counted
@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from runtime.guards import non_finite_metrics, skip_non_finite
-from runtime.train_state import TrainState
+from runtime.train_state import TrainState, scan_micro_batches
 from starpo_jax.config import ActorConfig, CriticConfig, OptimConfig
 from starpo_jax.losses import actor_loss, clipped_value_loss, entropy_from_logits, loss_normalizer
 
@@ -96,7 +96,7 @@ def _accumulated_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, 
             return jax.tree.map(jnp.add, grads, micro_grads), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, metrics = jax.lax.scan(accumulate, zeros, micro_batches(batch, num_micro_batches))
+        grads, metrics = scan_micro_batches(accumulate, zeros, micro_batches(batch, num_micro_batches))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics = {name: (jnp.sum if name in SUMMED_METRICS else jnp.mean)(value) for name, value in metrics.items()}
         metrics[f"{prefix}/grad_norm"] = optax.tree.norm(grads)

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from runtime.guards import non_finite_metrics, skip_non_finite
 from runtime.mesh import batch_sharding, replicated
 from runtime.sharding import shardings_of
-from runtime.train_state import compile_step, init_train_state
+from runtime.train_state import compile_step, init_train_state, scan_micro_batches
 from tdd_jax.sampler import Conditioning, broadcast_conditioning, guided_eps, module_eps_fn, replace_conditioning
 from tdd_jax.schedules import TDDSchedule, add_noise, consistency_jump, ddim_jump, make_tdd_schedule, predicted_origin
 from tdd_jax.targets import SELECTORS, make_selector
@@ -273,7 +273,7 @@ def make_distill_step(graphdef: nnx.GraphDef, schedule: TDDSchedule, config: Dis
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-        (loss, grads), _ = jax.lax.scan(accumulate, zero, jax.tree.map(split, (batch.latents, sample)))
+        (loss, grads), _ = scan_micro_batches(accumulate, zero, jax.tree.map(split, (batch.latents, sample)))
         loss, grads = jax.tree.map(lambda g: g / m, (loss, grads))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -2,6 +2,7 @@
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -9,7 +10,7 @@ from flax import nnx
 
 from runtime.mesh import MeshConfig, batch_sharding, make_mesh
 from runtime.sharding import create_sharded, shard_batch
-from runtime.train_state import compile_step, init_train_state
+from runtime.train_state import compile_step, init_train_state, scan_micro_batches
 from runtime_fixtures import TinyMLP, make_step
 
 
@@ -66,3 +67,17 @@ def test_step_traces_once_for_repeated_calls():
             for n in (4, 4, 8):
                 state, _ = step(state, *shard_batch((np.ones((n, 16), np.float32), np.ones((n, 8), np.float32)), mesh))
     chex.clear_trace_counter()
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_scan_micro_batches_equals_lax_scan(length):
+    xs = {"a": np.arange(length * 4, dtype=np.float32).reshape(length, 4), "b": np.ones((length, 2), np.float32)}
+
+    def body(carry, x):
+        return carry + jnp.sum(x["a"]) * x["b"], {"mean": jnp.mean(x["a"]), "row": x["a"] * 2.0}
+
+    init = np.zeros(2, np.float32)
+    expected = jax.lax.scan(body, init, xs)
+    got = jax.jit(scan_micro_batches, static_argnums=0)(body, init, xs)
+    chex.assert_trees_all_close(got, expected)
+    chex.assert_trees_all_equal_shapes(got, expected)

@@ -10,7 +10,8 @@
    of a lossless space-to-depth "VAE" (16×16×1 ↔ 8×8×4);
 4. distillation with ``tdd_jax.distill`` once per selector (same data, keys, steps and hyperparameters);
 5. samples conditioned on every digit from the same initial noise: teacher DDIM (eta 0) with CFG 1 + w,
-   students with the TDD sampler (eta, guidance 1: the distilled guidance); FD to the training digits and the
+   students with the TDD sampler (eta, guidance 1: the distilled guidance); FD to the training digits, FD to
+   the teacher's own many-step samples (how well a student reproduces what it was distilled from) and the
    classifier's accuracy on the requested labels. Writes ``table.md``, ``table.json`` and PNG grids (one row
    per digit) to ``out``.
 """
@@ -33,7 +34,7 @@ from launch.tdd_loop import distil_loop
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_state
 from tdd_jax.data import save_image_grid
-from tdd_jax.digits import (EMPTY_LABEL, NUM_CLASSES, LabelEncoder, feature_stats, from_latents,
+from tdd_jax.digits import (EMPTY_LABEL, NUM_CLASSES, LabelEncoder, feature_stats, frechet_distance, from_latents,
                             load_digits_images, score_samples, split_digits, to_latents, train_classifier)
 from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile_distill_step, init_distill_state,
                              make_distill_step, split_model, unconditional_embedding)
@@ -64,8 +65,8 @@ class DemoConfig:
     block_out_channels: tuple[int, ...] = (32, 64)
     label_dim: int = 32
     classifier_steps: int = 400
-    teacher_steps: int = 2000
-    teacher_batch_size: int = 64
+    teacher_steps: int = 2400
+    teacher_batch_size: int = 32
     teacher_learning_rate: float = 1e-3
     p_uncond: float = 0.1
     selectors: tuple[str, ...] = ("lcm", "tcd", "tdd")
@@ -92,6 +93,9 @@ class DemoConfig:
         check(0.0 <= self.p_uncond < 1.0, "p_uncond", "in [0, 1)")
         check(0.0 <= self.eta < 1.0, "eta", "in [0, 1)")
         check(len(self.selectors) > 0, "selectors", "non-empty")
+        teacher_steps = self.teacher_sampling_steps
+        check(len(teacher_steps) > 0 and teacher_steps[0] == max(teacher_steps), "teacher_sampling_steps",
+              "non-empty with the most steps first (the reference of 'FD to teacher samples')")
         for selector in self.selectors:
             dataclasses.replace(self.distill, selector=selector)  # raises naming DistillConfig.selector
         steps = (*self.teacher_sampling_steps, *self.student_sampling_steps)
@@ -138,8 +142,9 @@ def distil_student(config: DemoConfig, selector: str, teacher: UNet2DConditionMo
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method | steps | FD to real digits (lower is better) | class accuracy |", "|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['steps']} | {r['fd']:.2f} | {100 * r['accuracy']:.1f}% |" for r in rows]
+    lines = ["| method | steps | FD to real digits | FD to teacher samples | class accuracy |", "|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['steps']} | {r['fd']:.2f} | {r['fd_teacher']:.2f} | {100 * r['accuracy']:.1f}% |"
+              for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -155,6 +160,7 @@ def run_demo(config: DemoConfig) -> list[dict]:
     real = feature_stats(np.asarray(classifier.embed(jnp.asarray(train.images))))
     rows = [{"method": "real held-out digits", "steps": "-",
              **score_samples(classifier, held_out.images, held_out.labels, real)._asdict()}]
+    features = [held_out.images]  # per row: the images whose features give the FD to the teacher's samples
     timings["classifier"] = time.perf_counter() - clock
 
     abar = alphas_cumprod_from_config(SD_SCHEDULER)
@@ -188,6 +194,7 @@ def run_demo(config: DemoConfig) -> list[dict]:
         save_image_grid(grid.reshape(-1, *images.shape[1:]), out / "grids" / f"{method}-{steps}.png",
                         columns=grid.shape[1])
         rows.append({"method": method, "steps": steps, **scores._asdict()})
+        features.append(images)
         print(f"{method}-{steps}: FD {scores.fd:.2f}, accuracy {100 * scores.accuracy:.1f}%", flush=True)
 
     teacher_guidance = 1.0 + config.distill.w_min
@@ -205,6 +212,10 @@ def run_demo(config: DemoConfig) -> list[dict]:
             evaluate(f"{selector.upper()} (eta {config.eta:g})", student, steps, config.eta, None)
         timings[f"sample {selector}"] = time.perf_counter() - clock - sum(timings.values())
 
+    embed = lambda images: np.asarray(classifier.embed(jnp.asarray(images)))
+    teacher_samples = feature_stats(embed(features[1]))  # the teacher's first (most-step) sampling row
+    for row, images in zip(rows, features):
+        row["fd_teacher"] = frechet_distance(feature_stats(embed(images)), teacher_samples)
     total = time.perf_counter() - clock
     cpu = time.process_time() - cpu_start
     summary = {"config": dataclasses.asdict(config), "rows": rows, "teacher_final_loss": teacher_loss,

@@ -168,7 +168,8 @@ def frechet_distance(a: FeatureStats, b: FeatureStats) -> float:
     root_a = sqrtm_psd(a.cov)
     cross = np.linalg.eigvalsh(root_a @ b.cov @ root_a)
     trace_sqrt = np.sum(np.sqrt(np.clip(cross, 0.0, None)))
-    return float(np.sum((a.mean - b.mean) ** 2) + np.trace(a.cov) + np.trace(b.cov) - 2.0 * trace_sqrt)
+    distance = np.sum((a.mean - b.mean) ** 2) + np.trace(a.cov) + np.trace(b.cov) - 2.0 * trace_sqrt
+    return max(float(distance), 0.0)  # ≥ 0; identical statistics give round-off around 0
 
 
 class SampleScores(NamedTuple):

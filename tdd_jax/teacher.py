@@ -71,11 +71,15 @@ def denoising_loss(model: ConditionalDenoiser, x0: jax.Array, labels: jax.Array,
 def train_denoiser(model: ConditionalDenoiser, x0: np.ndarray, labels: np.ndarray, alphas_cumprod: jax.Array, *,
                    steps: int, batch_size: int, learning_rate: float, p_uncond: float, empty_label: int,
                    seed: int = 0) -> tuple[ConditionalDenoiser, float]:
-    """AdamW with gradient clipping 1.0 for ``steps`` random batches; returns the model and its last loss."""
+    """AdamW (learning rate cosine-decayed to 5% over ``steps``) with gradient clipping 1.0 on random batches.
+
+    Returns the model and its last loss.
+    """
     if steps < 1 or batch_size < 1:
         raise ValueError(f"teacher steps and batch_size must be positive, got {steps}, {batch_size}")
     graphdef, params = nnx.split(model)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, weight_decay=0.0))
+    schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.05)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     data_x, data_y = jnp.asarray(x0), jnp.asarray(labels)
 
     @jax.jit

@@ -34,7 +34,10 @@ def test_demo_fast_preset_writes_table_and_grids(tmp_path):
     assert methods == [("real", "-"), ("teacher", 50), ("teacher", 4), ("LCM", 2), ("LCM", 4), ("TCD", 2), ("TCD", 4),
                        ("TDD", 2), ("TDD", 4)]
     assert all(np.isfinite(r["fd"]) and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    # FD to the teacher's 50-step samples: zero for those samples themselves, positive for any other set
+    assert rows[1]["fd_teacher"] < 1e-6 and all(r["fd_teacher"] > 0.0 for r in rows[2:])
     table = (tmp_path / "table.md").read_text().splitlines()
+    assert "FD to teacher samples" in table[0]
     assert len(table) == 2 + len(rows) and table[3].startswith("| teacher DDIM (CFG 2) | 50 |")
     grid = np.asarray(Image.open(tmp_path / "grids" / "TDD (eta 0.2)-4.png"))
     assert grid.shape == (10 * 16, 2 * 16)  # one row per digit, samples_per_class columns

@@ -38,7 +38,7 @@ def test_demo_fast_preset_writes_table_and_grids(tmp_path):
     assert rows[1]["fd_teacher"] < 1e-6 and all(r["fd_teacher"] > 0.0 for r in rows[2:])
     table = (tmp_path / "table.md").read_text().splitlines()
     assert "FD to teacher samples" in table[0]
-    assert len(table) == 2 + len(rows) and table[3].startswith("| teacher DDIM (CFG 2) | 50 |")
+    assert len(table) == 2 + len(rows) and table[3].startswith("| teacher DDIM (CFG 1) | 50 |")
     grid = np.asarray(Image.open(tmp_path / "grids" / "TDD (eta 0.2)-4.png"))
     assert grid.shape == (10 * 16, 2 * 16)  # one row per digit, samples_per_class columns
     assert (tmp_path / "table.json").is_file() and (tmp_path / "tdd" / "metrics.jsonl").is_file()

@@ -95,8 +95,8 @@ class DemoConfig:
         check(0.0 <= self.p_uncond < 1.0, "p_uncond", "in [0, 1)")
         check(0.0 <= self.eta < 1.0, "eta", "in [0, 1)")
         check(len(self.selectors) > 0, "selectors", "non-empty")
-        teacher_steps = self.teacher_sampling_steps
-        check(len(teacher_steps) > 0 and teacher_steps[0] == max(teacher_steps), "teacher_sampling_steps",
+        sampling = self.teacher_sampling_steps
+        check(len(sampling) > 0 and sampling[0] == max(sampling), "teacher_sampling_steps",
               "non-empty with the most steps first (the reference of 'FD to teacher samples')")
         for selector in self.selectors:
             dataclasses.replace(self.distill, selector=selector)  # raises naming DistillConfig.selector

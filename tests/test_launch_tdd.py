@@ -117,6 +117,9 @@ def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images,
     assert "DistillConfig.selector must be one of" in capsys.readouterr().err
     with pytest.raises(ValueError, match="DemoConfig.image_size"):
         DemoConfig(image_size=20)
+    for sampling in [(), (4, 50)]:
+        with pytest.raises(ValueError, match="DemoConfig.teacher_sampling_steps must be non-empty with the most"):
+            DemoConfig(teacher_sampling_steps=sampling)
     assert not (tmp_path / "checkpoints").exists()
 
 

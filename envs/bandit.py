@@ -84,7 +84,7 @@ class Bandit(TextEnvironment):
     def render_text(self, state: BanditState, params: BanditParams | None = None) -> str:
         """The game rules before the pull, ``"{arm}: {reward} points"`` after it."""
         if int(state.time) == 0:
-            name_a, name_b = (self.action_names[int(i)] for i in self.get_obs(state))
+            name_a, name_b = (self.action_names[int(i)] for i in jax.device_get(self.observe(state)))
             return INIT_PROMPT.format(name_a=name_a, name_b=name_b)
         reward = self.reward_value(float(state.last_reward), params)
         return f"{self.action_names[int(state.last_action)]}: {reward} points"

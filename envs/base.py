@@ -1,5 +1,6 @@
 """What every text environment exposes besides the gymnax API: vocabulary, instruction and legend."""
 
+import functools
 from typing import Mapping
 
 import jax
@@ -54,6 +55,10 @@ class TextEnvironment(environment.Environment):
     def action_space(self, params=None) -> spaces.Discrete:
         return spaces.Discrete(self.num_actions)
 
+    def observe(self, state) -> jax.Array:
+        """``get_obs`` of one state, compiled once per environment (rendering calls it every step)."""
+        return _compiled_obs(self)(state)
+
     def render_text(self, state) -> str:
         """The observation text of one (unbatched) state, as RAGEN's ``render()`` returns it."""
         raise NotImplementedError
@@ -65,6 +70,11 @@ class TextEnvironment(environment.Environment):
         type and double value (``0`` vs ``0.0``, ``-0.1 + 1``).
         """
         raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_obs(env: TextEnvironment):
+    return jax.jit(env.get_obs)
 
 
 def render_grid(codes, lookup: Mapping[int, str]) -> str:

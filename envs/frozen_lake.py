@@ -133,7 +133,7 @@ class FrozenLake(TextEnvironment):
         return spaces.Box(0, 5, (self.size, self.size), jnp.int8)
 
     def render_text(self, state: FrozenLakeState) -> str:
-        return render_grid(self.get_obs(state), self.grid_lookup)
+        return render_grid(self.observe(state), self.grid_lookup)
 
     def reward_value(self, reward: float, params=None) -> float:
         """gymnasium returns ``float(tile == b"G")``: ``1.0`` or ``0.0``."""

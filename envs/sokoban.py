@@ -171,7 +171,7 @@ class Sokoban(TextEnvironment):
         return spaces.Box(0, PLAYER_ON_TARGET, self.dim_room, jnp.int8)
 
     def render_text(self, state: SokobanState) -> str:
-        return render_grid(self.get_obs(state), self.grid_lookup)
+        return render_grid(self.observe(state), self.grid_lookup)
 
     def reward_value(self, reward: float, params=None):
         """Rebuilds gym-sokoban's double: ``-0.1``, then ``+ 1`` or ``+ -1``, then ``+ 10``."""

@@ -43,13 +43,18 @@ TEXT_ATTRIBUTES = ("tag", "action_names", "env_instruction", "grid_vocab", "prom
 
 @functools.lru_cache(maxsize=None)
 def _compiled(env: TextEnvironment):
-    return jax.jit(env.reset_env), jax.jit(env.step_env)
+    """Reset and step of ``env`` compiled once; step k of an episode draws with ``fold_in(key, k)``."""
+    def step(key, index, state, action, params):
+        return env.step_env(jax.random.fold_in(key, index), state, action, params)
+
+    return jax.jit(env.reset_env), jax.jit(step)
 
 
 class GymnaxHostEnv:
     """A jitted gymnax ``TextEnvironment`` stepped one action at a time from Python.
 
     The key of step k of an episode is ``fold_in(key(seed), k)``, so a seed fixes the episode.
+    The state lives on the host between steps (one transfer per step; rendering reads it there).
     """
 
     def __init__(self, env: TextEnvironment, params: Any = None):
@@ -62,13 +67,13 @@ class GymnaxHostEnv:
 
     def reset(self, seed: int) -> str:
         self._key, self._steps = jax.random.key(seed), 0
-        _, self.state = self._reset(jax.random.fold_in(self._key, 0), self.params)
+        self.state = jax.device_get(self._reset(jax.random.fold_in(self._key, 0), self.params)[1])
         return self.render()
 
     def step(self, action: int) -> tuple[str, Any, bool, dict]:
         self._steps += 1
-        _, self.state, reward, done, info = self._step(
-            jax.random.fold_in(self._key, self._steps), self.state, action, self.params)
+        _, state, reward, done, info = self._step(self._key, self._steps, self.state, action, self.params)
+        self.state, reward, done, info = jax.device_get((state, reward, done, info))
         info = {name: bool(value) for name, value in info.items()}
         return self.render(), self.env.reward_value(float(reward), self.params), bool(done), info
 

@@ -4,7 +4,10 @@ The embedded StarPO demo and the tests need a real tokenizer without a
 download: this trains one with ``tokenizers`` on the texts it will see, gives it
 Qwen2.5's ChatML special tokens and chat template, saves it as a Hugging Face
 folder and loads it back with ``AutoTokenizer``, the path every real checkpoint
-takes.
+takes. Its normaliser and pre-tokeniser are Qwen2's (NFC; the split pattern that
+keeps digits single; byte-level), so the folder tokenizes the same whether it is
+loaded alone or, inside a model folder whose ``config.json`` says ``qwen2``, as
+``transformers``' ``Qwen2Tokenizer``, which installs that pipeline itself.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import itertools
 import os
 from typing import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
@@ -21,6 +24,9 @@ TURN_START = "<|im_start|>"
 TURN_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, TURN_START, TURN_END)
 TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+# Qwen2's pre-tokenisation pattern: contractions, letter runs, single digits, punctuation runs, spaces.
+QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Qwen2.5-Instruct's ChatML layout, without its tool-calling branches.
 CHATML_TEMPLATE = (
@@ -47,7 +53,10 @@ def train_chat_tokenizer(texts: Iterable[str], folder: str | os.PathLike, vocab_
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (bytes + special tokens), got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS), special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

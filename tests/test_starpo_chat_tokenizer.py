@@ -1,13 +1,19 @@
 """The locally trained chat tokenizer round-trips text and renders Qwen's ChatML layout."""
 
+import json
+import shutil
+
 import pytest
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from starpo_jax.chat_tokenizer import train_chat_tokenizer
+from starpo_jax.tokenizer import load_tokenizer
 
 CORPUS = [
     "You are solving the Sokoban puzzle. Push all boxes to targets.\n######\n#_X_P#\n######",
     "<think>The box is left of me.</think><answer>Left || Up</answer>",
     "Reward:\n-0.1\n\nTurn 2:\nState:\n_P_O\nYou have 9 actions left.",
+    "You have 10 actions left. Max response length: 100 words (tokens). Reward: 10.5",
 ] * 20
 
 
@@ -26,6 +32,20 @@ def test_round_trip_and_special_tokens(tokenizer, tmp_path):
     assert len(tokenizer.encode("<think>", add_special_tokens=False)) == 1
     assert len(tokenizer.encode("<|im_start|>", add_special_tokens=False)) == 1
     assert tokenizer.decode(tokenizer.encode("<|im_end|>a", add_special_tokens=False), skip_special_tokens=True) == "a"
+
+
+def test_model_folder_tokenizes_like_the_tokenizer_folder(tokenizer, tmp_path):
+    """Inside a folder whose config.json says qwen2, transformers loads ``Qwen2Tokenizer``, which installs
+    Qwen2's own pre-tokeniser: the ids must not change (SFT and rollouts use the two loads)."""
+    shutil.copytree(tokenizer.name_or_path, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    in_model_folder = load_tokenizer(tmp_path)
+    assert isinstance(in_model_folder, Qwen2Tokenizer)
+    for text in CORPUS[:4] + ["Turn 12:\nYou have 10 actions left, 2025 points, 3.14 \u00e9t\u00e9"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert in_model_folder.encode(text, add_special_tokens=False) == ids
+        assert in_model_folder.decode(ids) == text
+    assert [tokenizer.decode([i]) for i in tokenizer.encode(" 10", add_special_tokens=False)] == [" ", "1", "0"]
 
 
 def test_chat_template_is_chatml(tokenizer):

@@ -63,9 +63,27 @@ def test_to_hf_reads_back_in_transformers(kind, tmp_path):
     assert TransformerConfig.from_hf(reread.to_dict()) == config
 
 
+def test_random_embedding_follows_initializer_range():
+    """HF's ``initializer_range`` sets the random embedding and LM head scale (logits start near uniform)."""
+    import jax
+    from flax import nnx
+
+    from runtime.mesh import MeshConfig, make_mesh
+    from runtime.sharding import create_sharded
+    from starpo_jax.models.transformer import CausalLM
+
+    config = TransformerConfig.from_hf(transformers.Qwen2Config(**SMALL, initializer_range=0.05).to_dict())
+    assert config.initializer_range == 0.05 and config.to_hf()["initializer_range"] == 0.05
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        model = create_sharded(lambda: CausalLM(config, rngs=nnx.Rngs(0)), mesh)
+    for weight in (model.model.embed_tokens[...], model.lm_head[...]):
+        assert np.std(np.asarray(weight)) == pytest.approx(0.05, rel=0.1)
+
+
 @pytest.mark.parametrize("change, field", [
     (dict(num_heads=3), "num_heads"), (dict(dtype="float8"), "dtype"), (dict(hidden_size=0), "hidden_size"),
-    (dict(model_type="gpt2"), "model_type")])
+    (dict(model_type="gpt2"), "model_type"), (dict(initializer_range=0.0), "initializer_range")])
 def test_invalid_fields_are_named(change, field):
     valid = TransformerConfig.from_hf(transformers.Qwen2Config(**SMALL).to_dict())
     with pytest.raises(ValueError, match=field):

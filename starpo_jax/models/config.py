@@ -31,6 +31,8 @@ class TransformerConfig:
       rope_type: "default" or "llama3" (Llama 3.1 frequency scaling).
       dtype: compute dtype of activations; ``param_dtype``: storage dtype of parameters.
       remat: rematerialise each layer in the backward pass (``jax.checkpoint``).
+      initializer_range: standard deviation of the random token embedding (and untied LM head), as in
+        Hugging Face's ``_init_weights``; projections start at ``normal(1 / sqrt(fan_in))``.
     """
 
     vocab_size: int
@@ -59,6 +61,7 @@ class TransformerConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    initializer_range: float = 0.02
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -79,8 +82,8 @@ class TransformerConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"TransformerConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("TransformerConfig.rms_norm_eps and rope_theta must be positive")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0 or self.initializer_range <= 0:
+            raise ValueError("TransformerConfig.rms_norm_eps, rope_theta and initializer_range must be positive")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -152,6 +155,7 @@ class TransformerConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            initializer_range=float(hf.get("initializer_range", 0.02)),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -172,7 +176,7 @@ class TransformerConfig:
             max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
             bos_token_id=self.bos_token_id, pad_token_id=self.pad_token_id,
             eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
-            torch_dtype=self.param_dtype, dtype=self.param_dtype,
+            torch_dtype=self.param_dtype, dtype=self.param_dtype, initializer_range=self.initializer_range,
         )
         if self.rope_type == "llama3":
             hf["rope_scaling"] = rope

@@ -118,7 +118,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: TransformerConfig, lora: LoRAConfig | None, rngs: nnx.Rngs):
         self.config = config
-        init = nnx.initializers.normal(1.0)
+        init = nnx.initializers.normal(config.initializer_range)
         self.embed_tokens = nnx.Param(nnx.with_partitioning(init, ("vocab", "embed"))(
             rngs.params(), (config.vocab_size, config.hidden_size), config.weight_dtype))
 
@@ -163,7 +163,7 @@ class CausalLM(nnx.Module):
         self.config = config
         self.model = Decoder(config, lora, rngs)
         self.lm_head = None if config.tie_word_embeddings else nnx.Param(
-            nnx.with_partitioning(nnx.initializers.normal(1.0 / config.hidden_size ** 0.5), ("embed", "vocab"))(
+            nnx.with_partitioning(nnx.initializers.normal(config.initializer_range), ("embed", "vocab"))(
                 rngs.params(), (config.hidden_size, config.vocab_size), config.weight_dtype))
 
     def logits(self, hidden: jax.Array) -> jax.Array:

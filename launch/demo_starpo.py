@@ -75,16 +75,16 @@ class DemoConfig:
     # (tag, demonstrations, action noise, demonstrations per seed): Bandit shows each prompt with both arms.
     demos: tuple[tuple[str, int, float, int], ...] = (("Bandit", 128, 0.0, 2), ("FrozenLake", 384, 0.5, 1))
     actions_per_turn: int = 3
-    sft_steps: int = 150
+    sft_steps: int = 300
     sft_batch_size: int = 8
-    sft_lr: float = 2e-3
+    sft_lr: float = 3e-3
     rollout_bucket: int = 64
     stages: tuple[Stage, ...] = (
         Stage("Bandit", 1, 16, 320, (
             "es_manager.train.env_groups=8", "es_manager.train.group_size=8", "es_manager.val.env_groups=128",
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=16",
             "micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
-            "actor_rollout_ref.actor.optim.lr=1e-4", "critic.optim.lr=1e-3")),
+            "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3")),
         Stage("FrozenLake", 3, 24, 640, (
             "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=8",

@@ -4,10 +4,10 @@ The embedded StarPO demo and the tests need a real tokenizer without a
 download: this trains one with ``tokenizers`` on the texts it will see, gives it
 Qwen2.5's ChatML special tokens and chat template, saves it as a Hugging Face
 folder and loads it back with ``AutoTokenizer``, the path every real checkpoint
-takes. Its normaliser and pre-tokeniser are Qwen2's (NFC; the split pattern that
-keeps digits single; byte-level), so the folder tokenizes the same whether it is
-loaded alone or, inside a model folder whose ``config.json`` says ``qwen2``, as
-``transformers``' ``Qwen2Tokenizer``, which installs that pipeline itself.
+takes. Its normaliser and pre-tokeniser follow Qwen2's (NFC; digits one per token;
+byte-level), so the folder tokenizes the same whether it is loaded alone or, inside
+a model folder whose ``config.json`` says ``qwen2``, as ``transformers``'
+``Qwen2Tokenizer``, which installs Qwen2's own pipeline.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ TURN_START = "<|im_start|>"
 TURN_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, TURN_START, TURN_END)
 TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
-# Qwen2's pre-tokenisation pattern: contractions, letter runs, single digits, punctuation runs, spaces.
-QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's pre-tokenisation pattern, except that a pre-token holds at most one line break, so no merge spans two
+# ("\n\n" stays two tokens): a split of Qwen2's own coarser pattern then yields the same ids, and the fused
+# rollout's text pieces, which may meet between two line breaks, concatenate to the whole-text encoding.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]?"
+                 r"|[^\S\r\n]*[\r\n]|\s+(?!\S)|\s+")
 
 # Qwen2.5-Instruct's ChatML layout, without its tool-calling branches.
 CHATML_TEMPLATE = (
@@ -55,7 +57,7 @@ def train_chat_tokenizer(texts: Iterable[str], folder: str | os.PathLike, vocab_
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS), special_tokens=list(SPECIAL_TOKENS),

@@ -41,11 +41,12 @@ def test_model_folder_tokenizes_like_the_tokenizer_folder(tokenizer, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     in_model_folder = load_tokenizer(tmp_path)
     assert isinstance(in_model_folder, Qwen2Tokenizer)
-    for text in CORPUS[:4] + ["Turn 12:\nYou have 10 actions left, 2025 points, 3.14 \u00e9t\u00e9"]:
+    for text in CORPUS[:4] + ["Turn 12:\nYou have 10 actions left, 2025 points, 3.14 \u00e9t\u00e9\n\n \n\n.\n\nX"]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert in_model_folder.encode(text, add_special_tokens=False) == ids
         assert in_model_folder.decode(ids) == text
     assert [tokenizer.decode([i]) for i in tokenizer.encode(" 10", add_special_tokens=False)] == [" ", "1", "0"]
+    assert [tokenizer.decode([i]) for i in tokenizer.encode("0\n\nTurn", add_special_tokens=False)][:3] == ["0", "\n", "\n"]
 
 
 def test_chat_template_is_chatml(tokenizer):

@@ -76,7 +76,9 @@ def single():
 
 def test_actor_step_sharded_equals_single_device(single):
     _, params, metrics, _ = run_actor(make_mesh(MeshConfig(2, 2, 2)), policy_batch())
-    chex.assert_trees_all_close(params, single[1], atol=1e-4)
+    # Adam divides by sqrt(v): where a gradient entry is near zero, reduction-order noise moves the update by
+    # up to ~lr / 50; a sharding error moves whole tensors by ~lr = 1e-2.
+    chex.assert_trees_all_close(params, single[1], atol=1e-3)
     for got, want in zip(metrics, single[2]):
         chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
     assert metrics[0]["actor/grad_norm"] > 0 and metrics[0]["actor/non_finite_steps"] == 0

@@ -5,8 +5,8 @@
    stay at character level), loaded back through ``transformers``.
 2. Model: a small random Qwen2-architecture policy, saved as a Hugging Face folder.
 3. Supervised warm-up on demonstrations (``starpo_jax.demonstrations``): FrozenLake
-   plays the best turn for the turns left, with random actions mixed in; Bandit shows
-   each prompt with both arms, so the policy learns the format and starts near chance.
+   names the goal's direction and heads there, with random actions mixed in; Bandit
+   shows each prompt with both arms, so the policy learns the format and starts near chance.
 4. StarPO-S, one stage per environment, each ``launch.starpo.train`` from the SFT
    model; validation on held-out seeds before the first and after the last iteration.
    ``custom_envs.*`` overrides configure the environments of the demonstrations and of
@@ -75,7 +75,7 @@ class DemoConfig:
     # (tag, demonstrations, action noise, demonstrations per seed): Bandit shows each prompt with both arms.
     demos: tuple[tuple[str, int, float, int], ...] = (("Bandit", 128, 0.0, 2), ("FrozenLake", 384, 0.5, 1))
     actions_per_turn: int = 3
-    sft_steps: int = 300
+    sft_steps: int = 800
     sft_batch_size: int = 8
     sft_lr: float = 3e-3
     rollout_bucket: int = 64
@@ -153,7 +153,7 @@ def warm_up(config: DemoConfig, out: Path, mesh: Mesh, custom_envs: Mapping[str,
         demos = pack_trajectory(tokenizer, slots, RolloutSettings(max_model_len=4096, bucket=config.rollout_bucket))
         with MetricWriter(out / "logs" / "sft") as writer:
             model = fit(model, demos, mesh, steps=config.sft_steps, batch_size=config.sft_batch_size,
-                        lr=config.sft_lr, writer=writer)
+                        lr=config.sft_lr, bucket=config.rollout_bucket, writer=writer)
         save_pretrained(model, sft_folder, tokenizer=tokenizer)
     return sft_folder
 

@@ -1,11 +1,12 @@
 """Scripted demonstrations for the supervised warm-up, in RAGEN's response format (spec §4, §5).
 
 A demonstrator plays one slot (``starpo_jax.env_manager``) to the end with
-responses ``<think>…</think><answer>a1 || a2</answer>``: FrozenLake plays the turn
-of ``envs.solvers.plan_frozen_lake`` (the best open-loop turn for the turns left),
-re-planned every turn; Bandit pulls the two arms equally often, whatever
-order the prompt lists them in, so a model imitating it starts at chance. The played slots render to training
-sequences exactly as rollouts do (``starpo_jax.rollout.pack_trajectory``).
+responses ``<think>…</think><answer>a1 || a2</answer>``: on FrozenLake the thought names
+the goal's direction from the player (``The goal is down and left.``) and the turn moves
+that way, vertical part first (``Down || Down || Down``), re-read every turn; Bandit pulls
+the two arms equally often, whatever order the prompt lists them in, so a model imitating
+it starts at chance. The played slots render to training sequences exactly as rollouts do
+(``starpo_jax.rollout.pack_trajectory``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import numpy as np
 
 import envs
 from envs.bandit import Bandit
-from envs.frozen_lake import FrozenLake
-from envs.solvers import plan_frozen_lake
+from envs.frozen_lake import GOAL, FrozenLake
 from starpo_jax.env_manager import GymnaxHostEnv, Slot, reset_slot, run_turn
 
 BANDIT_THOUGHT = "I pick one arm."
-FROZEN_LAKE_THOUGHT = "I avoid the holes and go to the goal."
 
 
 def response(thought: str, actions: list[str]) -> str:
@@ -29,22 +28,34 @@ def response(thought: str, actions: list[str]) -> str:
     return f"<think>{thought}</think><answer>{' || '.join(actions)}</answer>"
 
 
-def bandit_turn(slot: Slot) -> list[str]:
+def bandit_turn(slot: Slot, actions_per_turn: int) -> tuple[str, list[str]]:
     """The low arm in even groups, the high arm in odd ones: the format, not the better arm."""
-    return [slot.env.action_names[slot.group_id % 2]]
+    return BANDIT_THOUGHT, [slot.env.action_names[slot.group_id % 2]]
 
 
-def frozen_lake_turn(slot: Slot, rng: np.random.Generator, actions_per_turn: int, turns_left: int) -> list[str]:
-    """The turn plan that maximises the chance of reaching the goal within ``turns_left`` turns."""
-    state = slot.env.state
-    moves, _ = plan_frozen_lake(np.asarray(state.desc), int(state.position), turns_left, actions_per_turn,
-                                bool(slot.env.params.is_slippery))
-    return [slot.env.action_names[m] for m in moves]
+def goal_direction(desc: np.ndarray, position: int) -> list[str]:
+    """Where the goal lies from ``position`` on the map ``desc``: ``["down", "left"]``, ``["up"]``, …"""
+    size = desc.shape[0]
+    (row, col), (goal_row, goal_col) = divmod(position, size), divmod(int(np.argmax(desc.ravel() == GOAL)), size)
+    vertical = ["down"] if goal_row > row else ["up"] if goal_row < row else []
+    return vertical + (["right"] if goal_col > col else ["left"] if goal_col < col else [])
 
 
-DEMONSTRATORS: dict[type, tuple[str, Callable]] = {
-    Bandit: (BANDIT_THOUGHT, lambda slot, rng, k, turns_left: bandit_turn(slot)),
-    FrozenLake: (FROZEN_LAKE_THOUGHT, frozen_lake_turn),
+def frozen_lake_turn(slot: Slot, actions_per_turn: int) -> tuple[str, list[str]]:
+    """Names the goal's direction and moves along its first part for the whole turn.
+
+    With slip a move never goes opposite to the chosen action, so heading for the goal's row
+    (then its column) is a policy a thought can carry: on RAGEN's validation maps it reaches
+    the goal in about a third of episodes, the best turn plan (``envs.solvers.plan_frozen_lake``)
+    in about two fifths, random play in one fifth.
+    """
+    direction = goal_direction(np.asarray(slot.env.state.desc), int(slot.env.state.position))
+    return f"The goal is {' and '.join(direction)}.", [direction[0].capitalize()] * actions_per_turn
+
+
+DEMONSTRATORS: dict[type, Callable[[Slot, int], tuple[str, list[str]]]] = {
+    Bandit: bandit_turn,
+    FrozenLake: frozen_lake_turn,
 }
 
 
@@ -64,7 +75,7 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
     if type(env) not in DEMONSTRATORS:
         raise ValueError(f"no demonstrator for environment tag {tag!r} ({type(env).__name__}); there are "
                          f"demonstrators for {[t.__name__ for t in DEMONSTRATORS]}")
-    thought, policy = DEMONSTRATORS[type(env)]
+    policy = DEMONSTRATORS[type(env)]
     rng = np.random.default_rng(0) if rng is None else rng
     slots = []
     for group, seed in enumerate(seeds):
@@ -72,8 +83,8 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
         for turn in range(max_turn):
             if slot.done:
                 break
-            actions = [str(rng.choice(env.action_names)) if rng.random() < noise else action
-                       for action in policy(slot, rng, actions_per_turn, max_turn - turn)]
+            thought, actions = policy(slot, actions_per_turn)
+            actions = [str(rng.choice(env.action_names)) if rng.random() < noise else action for action in actions]
             run_turn(slot, response(thought, actions), actions)
         slots.append(slot)
     return slots

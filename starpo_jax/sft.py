@@ -61,22 +61,35 @@ def make_sft_step(graphdef: nnx.GraphDef, tx) -> Callable:
     return step
 
 
-def epoch_batches(demos: Trajectory, batch_size: int, rng: np.random.Generator) -> Iterator[SFTBatch]:
-    """Shuffled mini-batches of ``batch_size`` rows, repeating the demonstrations without end."""
-    rows = len(demos.input_ids)
+def epoch_batches(demos: Trajectory, batch_size: int, rng: np.random.Generator, bucket: int = 1,
+                  window: int = 16) -> Iterator[SFTBatch]:
+    """Shuffled mini-batches of ``batch_size`` rows, repeating the demonstrations without end.
+
+    Rows of similar length share a batch (``group_by_length`` of HF's Trainer): each epoch's
+    shuffled rows are sorted by length within windows of ``window`` batches, the batches are
+    shuffled, and each is cut to its longest row rounded up to ``bucket`` (the rows are left
+    padded, so only padding is cut and positions do not change). Short demonstrations then do
+    not pay for the longest one; at most ``width / bucket`` batch shapes are compiled.
+    """
+    rows, width = demos.input_ids.shape
     if rows < batch_size:
         raise ValueError(f"{rows} demonstrations are fewer than the SFT batch size {batch_size}")
+    lengths = np.asarray(demos.attention_mask).sum(axis=1)
     while True:
-        order = rng.permutation(rows)
-        for start in range(0, rows - batch_size + 1, batch_size):
-            take = order[start:start + batch_size]
-            yield SFTBatch(demos.input_ids[take], demos.attention_mask[take], demos.loss_mask[take])
+        order = rng.permutation(rows)[:rows - rows % batch_size]
+        groups = [chunk[np.argsort(-lengths[chunk], kind="stable")]
+                  for chunk in np.split(order, range(batch_size * window, len(order), batch_size * window))]
+        batches = np.concatenate(groups).reshape(-1, batch_size)
+        for take in batches[rng.permutation(len(batches))]:
+            keep = min(width, -(-int(lengths[take].max()) // bucket) * bucket)
+            yield SFTBatch(demos.input_ids[take, width - keep:], demos.attention_mask[take, width - keep:],
+                           demos.loss_mask[take, width - keep:])
 
 
 def fit(model: nnx.Module, demos: Trajectory, mesh: Mesh, *, steps: int, batch_size: int, lr: float,
-        seed: int = 0, writer: MetricWriter | None = None) -> nnx.Module:
+        bucket: int = 64, seed: int = 0, writer: MetricWriter | None = None) -> nnx.Module:
     """Trains every parameter of ``model`` for ``steps`` mini-batches of ``demos`` (peak learning rate
-    ``lr``); returns the model.
+    ``lr``; batches grouped by length, their widths multiples of ``bucket``); returns the model.
 
     Metrics ``sft/{loss,accuracy,grad_norm}`` go to ``writer`` every step; a progress bar shows them.
     """
@@ -85,7 +98,7 @@ def fit(model: nnx.Module, demos: Trajectory, mesh: Mesh, *, steps: int, batch_s
                      optax.adamw(optax.cosine_decay_schedule(lr, steps), weight_decay=0.01))
     state = init_train_state(params, tx, jax.random.key(seed), mesh)
     step = compile_step(make_sft_step(graphdef, tx), state, shardings_of(frozen), batch_sharding(mesh, 2))
-    batches = epoch_batches(demos, batch_size, np.random.default_rng(seed))
+    batches = epoch_batches(demos, batch_size, np.random.default_rng(seed), bucket)
     with ProgressBar(steps, "SFT", keys=("sft/loss", "sft/accuracy")) as bar:
         for i in range(steps):
             state, metrics = step(state, frozen, jax.device_put(next(batches), batch_sharding(mesh, 2)))

@@ -89,7 +89,7 @@ class DemoConfig:
             "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
-            "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=1e-3")),
+            "actor_rollout_ref.actor.optim.lr=1e-4", "critic.optim.lr=1e-3")),
     )
 
     @classmethod

@@ -74,6 +74,8 @@ def epoch_batches(demos: Trajectory, batch_size: int, rng: np.random.Generator, 
     rows, width = demos.input_ids.shape
     if rows < batch_size:
         raise ValueError(f"{rows} demonstrations are fewer than the SFT batch size {batch_size}")
+    if bucket < 1 or window < 1:
+        raise ValueError(f"bucket and window must be >= 1, got bucket={bucket}, window={window}")
     lengths = np.asarray(demos.attention_mask).sum(axis=1)
     while True:
         order = rng.permutation(rows)[:rows - rows % batch_size]

@@ -70,6 +70,8 @@ def test_epoch_batches_cover_every_demonstration_once_per_epoch():
     assert sorted(first_epoch) == list(range(n))
     with pytest.raises(ValueError, match="6 demonstrations are fewer than the SFT batch size 8"):
         next(epoch_batches(demos, 8, np.random.default_rng(0)))
+    with pytest.raises(ValueError, match="bucket and window must be >= 1, got bucket=0, window=16"):
+        next(epoch_batches(demos, 3, np.random.default_rng(0), bucket=0))
 
 
 def test_epoch_batches_group_by_length_and_cut_only_left_padding():

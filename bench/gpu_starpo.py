@@ -18,17 +18,27 @@ Model FLOPs (PaLM appendix B convention, attention over the full context, not ha
   update     = tokens_kept · (4·F_actor + 4·F_critic)   (old log-prob and value forwards, then forward +
                backward = 3 forwards each for the critic and actor steps; no reference pass without KL)
 MFU = model FLOPs / (seconds · peak); peak default 989.5 TFLOP/s = H200 SXM dense BF16.
+
+Peer (``--peer``, needs torch and transformers): the same work in the same process with Hugging Face
+``transformers``' PyTorch Qwen2 of the same shape (fp32 weights, bf16 autocast): ``generate`` on the
+same prompts for the same number of sampled tokens, and the update's passes on as many rows as the filter kept (policy
+and critic forwards, then a critic and an actor step of fwd + bwd over the same micro-batches, clip,
+AdamW). It prints ours / peer for both throughputs. JAX is capped at half the device memory
+(``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set) so both fit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded
@@ -75,6 +85,81 @@ def timed(fn, *args):
     return out, time.perf_counter() - start
 
 
+def torch_peer(c: TransformerConfig, tokens: np.ndarray, mask: np.ndarray, new_tokens: int, train_ids: np.ndarray,
+               train_mask: np.ndarray, micro_rows: int) -> tuple[float, float]:
+    """Seconds of ``transformers``' Qwen2 for the same generation and update (second of two runs each)."""
+    import torch
+    import transformers
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fields = {k: v for k, v in c.to_hf().items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    hf = transformers.AutoConfig.for_model(c.model_type, **fields)
+    torch.manual_seed(0)
+    policy = transformers.AutoModelForCausalLM.from_config(hf).to(device)
+    backbone = transformers.AutoModel.from_config(hf).to(device)
+    value_head = torch.nn.Linear(c.hidden_size, 1).to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    ids, attention = torch.tensor(tokens, device=device), torch.tensor(mask, device=device)
+
+    stop = c.eos_ids[0] if c.eos_ids else c.vocab_size - 1  # suppressed by min_new_tokens: full-length rows
+
+    def generate(length: int):
+        with torch.no_grad(), autocast:
+            return policy.generate(input_ids=ids, attention_mask=attention, max_new_tokens=length,
+                                   min_new_tokens=length, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                   eos_token_id=stop, pad_token_id=c.pad_token_id)
+
+    generate(8)
+    sync()
+    clock = time.perf_counter()
+    generate(new_tokens)
+    sync()
+    gen_s = time.perf_counter() - clock
+
+    rows, targets = torch.tensor(train_ids, device=device), torch.tensor(train_mask, device=device)
+    scores = torch.randn(targets.shape, device=device)
+
+    def token_log_probs(x, m):
+        logits = policy(input_ids=x, attention_mask=m).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
+
+    def values(x, m):
+        return value_head(backbone(input_ids=x, attention_mask=m).last_hidden_state[:, :-1]).float()[..., 0]
+
+    actor_opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    critic_opt = torch.optim.AdamW([*backbone.parameters(), *value_head.parameters()], lr=1e-5)
+    chunks = [slice(i, i + micro_rows) for i in range(0, rows.shape[0], micro_rows)]
+
+    def update():
+        with torch.no_grad(), autocast:
+            old = torch.cat([token_log_probs(rows[s], (rows[s] != 0).long()) for s in chunks])
+            torch.cat([values(rows[s], (rows[s] != 0).long()) for s in chunks])
+        for opt, params, loss_of in (
+                (critic_opt, [*backbone.parameters(), *value_head.parameters()],
+                 lambda s: (values(rows[s], (rows[s] != 0).long()) - scores[s]) ** 2),
+                (actor_opt, list(policy.parameters()),
+                 lambda s: -torch.exp(token_log_probs(rows[s], (rows[s] != 0).long()) - old[s]) * scores[s])):
+            opt.zero_grad(set_to_none=True)
+            for s in chunks:
+                with autocast:
+                    loss = (loss_of(s) * targets[s]).sum() / targets.sum()
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+
+    update()
+    sync()
+    clock = time.perf_counter()
+    update()
+    sync()
+    return gen_s, time.perf_counter() - clock
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke run)")
@@ -82,6 +167,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype")
     parser.add_argument("--param-dtype", default="float32", help="parameter dtype (RAGEN: fp32 master weights)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+    parser.add_argument("--peer", action="store_true", help="also run transformers' PyTorch Qwen2 on the same work")
     parser.add_argument("overrides", nargs="*", help="RAGEN key=value overrides of the starpo-s-ppo preset")
     args = parser.parse_args()
     config = load_config("tiny" if args.tiny else "starpo-s-ppo", args.overrides)
@@ -149,6 +235,14 @@ def main() -> None:
           f"MFU {100 * train_flops / update_s / peak:.2f} %")
     print(f"iteration (rollout + update): {gen_s + update_s:.2f} s; actor/grad_norm {metrics['actor/grad_norm']:.3g}; "
           f"peak {args.peak_tflops} TFLOP/s")
+    if args.peer:
+        peer_gen_s, peer_update_s = torch_peer(model, tokens, mask, new_tokens, ids[:kept], loss_mask[:kept],
+                                               config.micro_batch_size_per_gpu)
+        print(f"peer (transformers {__import__('transformers').__version__}, torch {__import__('torch').__version__}): "
+              f"generate {generated / peer_gen_s:,.0f} tokens/s in {peer_gen_s:.2f} s, update "
+              f"{train_tokens / peer_update_s:,.0f} training tokens/s in {peer_update_s:.2f} s")
+        print(f"ours / peer: generation {peer_gen_s / gen_s:.2f}x, update {peer_update_s / update_s:.2f}x "
+              f"(throughput ratios; > 1 means ours is faster)")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/gpu_tdd.py [--batch 16] [--steps 10] [--peak-tflops 989.5] [--remat]
     python bench/gpu_tdd.py --tiny          # CPU smoke run of the same code on a reduced config
+    JAX_PLATFORMS=cpu python bench/gpu_tdd.py --count-only   # traced FLOPs/step only (no compile, no step)
 
 The UNet has SD1.5's real config (block_out_channels 320/640/1280/1280, cross-attention dim 768,
 8 heads, 64×64 latents = 512×512 images) and random weights drawn on the host; LoRA rank 64,
@@ -83,6 +84,8 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=989.5, help="dense bf16 peak of the device")
     parser.add_argument("--remat", action="store_true", help="rematerialise each UNet block in the backward pass")
     parser.add_argument("--tiny", action="store_true", help="reduced config and batch 2, for a CPU smoke run")
+    parser.add_argument("--count-only", action="store_true",
+                        help="print the traced step's FLOPs and stop (JAX 0.11 on GPU returned no traced count)")
     args = parser.parse_args()
     config_dict, batch_size = (TINY_UNET, 2) if args.tiny else (SD15_UNET, args.batch)
     cfg = UNetConfig.from_diffusers(config_dict, dtype="bfloat16", remat=args.remat)
@@ -111,6 +114,9 @@ def main():
         step = make_distill_step(graphdef, distill.schedule(alphas_cumprod_from_config(SD_SCHEDULER)), distill)
         start = time.perf_counter()
         lowered = compile_distill_step(step, state, frozen, batch, mesh).lower(state, frozen, uncond, batch)
+        if args.count_only:
+            print(f"batch {batch_size}, remat {args.remat}: FLOPs/step {flops_of(lowered) / 1e9:.1f} G (traced step)")
+            return
         compiled = lowered.compile()
         compile_s = time.perf_counter() - start
     flops, compiled_flops = flops_of(lowered), flops_of(compiled)

@@ -21,9 +21,9 @@ MFU = model FLOPs / (seconds · peak); peak default 989.5 TFLOP/s = H200 SXM den
 
 Peer (``--peer``, needs torch and transformers): the same work in the same process with Hugging Face
 ``transformers``' PyTorch Qwen2 of the same shape (fp32 weights, bf16 autocast): ``generate`` on the
-same prompts for the same number of sampled tokens, and the update's passes on as many rows as the filter kept (policy
-and critic forwards, then a critic and an actor step of fwd + bwd over the same micro-batches, clip,
-AdamW). It prints ours / peer for both throughputs. JAX is capped at half the device memory
+same prompts for the same number of sampled tokens, and the update's passes on as many rows as the
+filter kept (policy and critic forwards, then a critic and an actor step of fwd + bwd over the same
+micro-batches, clip, AdamW). It prints ours / peer for both throughputs. JAX is capped at half the device memory
 (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set) so both fit.
 """
 
@@ -86,8 +86,8 @@ def timed(fn, *args):
 
 
 def torch_peer(c: TransformerConfig, tokens: np.ndarray, mask: np.ndarray, new_tokens: int, train_ids: np.ndarray,
-               train_mask: np.ndarray, micro_rows: int) -> tuple[float, float]:
-    """Seconds of ``transformers``' Qwen2 for the same generation and update (second of two runs each)."""
+               train_attention: np.ndarray, train_mask: np.ndarray, micro_rows: int) -> tuple[float, float, str]:
+    """Seconds of ``transformers``' Qwen2 for the same generation and update (second of two runs each), and versions."""
     import torch
     import transformers
 
@@ -122,6 +122,7 @@ def torch_peer(c: TransformerConfig, tokens: np.ndarray, mask: np.ndarray, new_t
     gen_s = time.perf_counter() - clock
 
     rows, targets = torch.tensor(train_ids, device=device), torch.tensor(train_mask, device=device)
+    row_attention = torch.tensor(train_attention, device=device)
     scores = torch.randn(targets.shape, device=device)
 
     def token_log_probs(x, m):
@@ -137,13 +138,13 @@ def torch_peer(c: TransformerConfig, tokens: np.ndarray, mask: np.ndarray, new_t
 
     def update():
         with torch.no_grad(), autocast:
-            old = torch.cat([token_log_probs(rows[s], (rows[s] != 0).long()) for s in chunks])
-            torch.cat([values(rows[s], (rows[s] != 0).long()) for s in chunks])
+            old = torch.cat([token_log_probs(rows[s], row_attention[s]) for s in chunks])
+            torch.cat([values(rows[s], row_attention[s]) for s in chunks])
         for opt, params, loss_of in (
                 (critic_opt, [*backbone.parameters(), *value_head.parameters()],
-                 lambda s: (values(rows[s], (rows[s] != 0).long()) - scores[s]) ** 2),
+                 lambda s: (values(rows[s], row_attention[s]) - scores[s]) ** 2),
                 (actor_opt, list(policy.parameters()),
-                 lambda s: -torch.exp(token_log_probs(rows[s], (rows[s] != 0).long()) - old[s]) * scores[s])):
+                 lambda s: -torch.exp(token_log_probs(rows[s], row_attention[s]) - old[s]) * scores[s])):
             opt.zero_grad(set_to_none=True)
             for s in chunks:
                 with autocast:
@@ -157,7 +158,7 @@ def torch_peer(c: TransformerConfig, tokens: np.ndarray, mask: np.ndarray, new_t
     clock = time.perf_counter()
     update()
     sync()
-    return gen_s, time.perf_counter() - clock
+    return gen_s, time.perf_counter() - clock, f"transformers {transformers.__version__}, torch {torch.__version__}"
 
 
 def main() -> None:
@@ -236,9 +237,10 @@ def main() -> None:
     print(f"iteration (rollout + update): {gen_s + update_s:.2f} s; actor/grad_norm {metrics['actor/grad_norm']:.3g}; "
           f"peak {args.peak_tflops} TFLOP/s")
     if args.peer:
-        peer_gen_s, peer_update_s = torch_peer(model, tokens, mask, new_tokens, ids[:kept], loss_mask[:kept],
-                                               config.micro_batch_size_per_gpu)
-        print(f"peer (transformers {__import__('transformers').__version__}, torch {__import__('torch').__version__}): "
+        peer_gen_s, peer_update_s, versions = torch_peer(model, tokens, mask, new_tokens, ids[:kept],
+                                                         attention[:kept], loss_mask[:kept],
+                                                         config.micro_batch_size_per_gpu)
+        print(f"peer ({versions}): "
               f"generate {generated / peer_gen_s:,.0f} tokens/s in {peer_gen_s:.2f} s, update "
               f"{train_tokens / peer_update_s:,.0f} training tokens/s in {peer_update_s:.2f} s")
         print(f"ours / peer: generation {peer_gen_s / gen_s:.2f}x, update {peer_update_s / update_s:.2f}x "

@@ -139,10 +139,10 @@ def torch_peer(c: TransformerConfig, tokens: np.ndarray, mask: np.ndarray, new_t
     def update():
         with torch.no_grad(), autocast:
             old = torch.cat([token_log_probs(rows[s], row_attention[s]) for s in chunks])
-            torch.cat([values(rows[s], row_attention[s]) for s in chunks])
+            returns = torch.cat([values(rows[s], row_attention[s]) for s in chunks]) + scores
         for opt, params, loss_of in (
                 (critic_opt, [*backbone.parameters(), *value_head.parameters()],
-                 lambda s: (values(rows[s], row_attention[s]) - scores[s]) ** 2),
+                 lambda s: (values(rows[s], row_attention[s]) - returns[s]) ** 2),
                 (actor_opt, list(policy.parameters()),
                  lambda s: -torch.exp(token_log_probs(rows[s], row_attention[s]) - old[s]) * scores[s])):
             opt.zero_grad(set_to_none=True)

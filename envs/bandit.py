@@ -1,5 +1,7 @@
 """RAGEN's two-armed bandit: the agent guesses the better arm from the arms' names alone."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -41,23 +43,40 @@ class Bandit(TextEnvironment):
 
     The order in which the prompt lists the arms is drawn at reset (RAGEN's ``_randomize_arms``);
     one pull ends the episode and ``success`` means the high arm was chosen.
+
+    Args:
+        lo_arm_name, hi_arm_name: the arms' names (the actions).
+        lo_arm_score: the low arm's deterministic reward.
+        hi_arm_loscore, hi_arm_hiscore, hi_arm_hiscore_prob: the high arm pays ``hi_arm_hiscore``
+            with probability ``hi_arm_hiscore_prob``, else ``hi_arm_loscore``.
     """
 
     tag = "Bandit"
     env_instruction = ""
     max_actions_per_traj = 1
 
-    def __init__(self, lo_arm_name: str = "Phoenix", hi_arm_name: str = "Dragon"):
+    def __init__(self, lo_arm_name: str = "Phoenix", hi_arm_name: str = "Dragon", lo_arm_score: float = 0.1,
+                 hi_arm_loscore: float = 0.0, hi_arm_hiscore: float = 1.0, hi_arm_hiscore_prob: float = 0.25):
         for field, name in (("lo_arm_name", lo_arm_name), ("hi_arm_name", hi_arm_name)):
             if not isinstance(name, str) or not name.strip() or "||" in name:
                 raise ValueError(f"{field} must be a non-empty name without '||', got {name!r}")
         if lo_arm_name.lower() == hi_arm_name.lower():
             raise ValueError(f"lo_arm_name and hi_arm_name must differ, got {lo_arm_name!r} twice")
+        scores = {"lo_arm_score": lo_arm_score, "hi_arm_loscore": hi_arm_loscore, "hi_arm_hiscore": hi_arm_hiscore}
+        for field, value in scores.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{field} must be a finite number, got {value!r}")
+        if isinstance(hi_arm_hiscore_prob, bool) or not isinstance(hi_arm_hiscore_prob, (int, float)) \
+                or not 0.0 <= hi_arm_hiscore_prob <= 1.0:
+            raise ValueError(f"hi_arm_hiscore_prob must be a probability in [0, 1], got {hi_arm_hiscore_prob!r}")
         self.action_names = (lo_arm_name, hi_arm_name)
+        self._params = BanditParams(**{k: float(v) for k, v in scores.items()},
+                                    hi_arm_hiscore_prob=float(hi_arm_hiscore_prob))
 
     @property
     def default_params(self) -> BanditParams:
-        return BanditParams()
+        """RAGEN's ``BanditEnvConfig`` scores as this environment's ``env_config`` sets them."""
+        return self._params
 
     def reset_env(self, key: jax.Array, params: BanditParams):
         swapped = jax.random.uniform(key) >= 0.5

@@ -64,6 +64,7 @@ class Sokoban(TextEnvironment):
         walk_budget: pull-walk moves per generation try (split into walks of the length above).
         tries: topologies drawn at most per level before the fixed fallback room.
         legend_from_config: list ``grid_lookup``'s symbols in the prompt instead of the defaults.
+        max_steps: steps after which an unsolved episode ends (RAGEN's ``max_steps``).
     """
 
     tag = "SimpleSokoban"
@@ -82,6 +83,7 @@ class Sokoban(TextEnvironment):
         walk_budget: int = 2048,
         tries: int = 16,
         legend_from_config: bool = False,
+        max_steps: int = 100,
     ):
         height, width = (check_positive_int("dim_room", d) for d in dim_room)
         num_boxes = check_positive_int("num_boxes", num_boxes)
@@ -91,6 +93,7 @@ class Sokoban(TextEnvironment):
             raise ValueError(f"num_boxes={num_boxes} does not fit a room of width {width}")
         if check_positive_int("search_depth", search_depth) < 3:
             raise ValueError(f"search_depth must be at least 3, got {search_depth}")
+        self._params = SokobanParams(max_steps_in_episode=check_positive_int("max_steps", max_steps))
         self.grid_lookup = dict(grid_lookup or DEFAULT_GRID_LOOKUP)
         if sorted(self.grid_lookup) != list(range(7)):
             raise ValueError(f"grid_lookup must map the cell codes 0-6, got keys {sorted(self.grid_lookup)}")
@@ -107,7 +110,7 @@ class Sokoban(TextEnvironment):
 
     @property
     def default_params(self) -> SokobanParams:
-        return SokobanParams()
+        return self._params
 
     @property
     def dim_room(self) -> tuple[int, int]:
@@ -157,7 +160,8 @@ class Sokoban(TextEnvironment):
         ).astype(jnp.float32)
         new_state = SokobanState(fixed, room, player, boxes_on_target, state.time + 1)
         info = step_info(solved, True, moved)
-        return self.get_obs(new_state), new_state, reward, solved, info
+        done = solved | (new_state.time >= params.max_steps_in_episode)
+        return self.get_obs(new_state), new_state, reward, done, info
 
     def get_obs(self, state: SokobanState, params=None, key=None) -> jax.Array:
         """Cell codes as rendered: 0-5 as gym-sokoban, 6 for the player on a target."""

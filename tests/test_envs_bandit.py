@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 import envs
+from envs.registry import CUSTOM_ENVS
 from envs.text import env_prefix
+from runtime.config import split_section
+from starpo_jax.custom_envs import SECTION, apply_overrides
 
 NUM = 20_000
 
@@ -70,6 +73,33 @@ def test_paper_low_arm_score_and_test_names(bandit):
     assert env.render_text(jax.tree.map(lambda x: x[0], after), params) == "Phoenix: 0.15 points"
     assert envs.make("BanditTest").action_names == ("Trader", "Librarian")
     assert envs.make("Bandit", lo_arm_name="Engineer", hi_arm_name="Teacher").action_names == ("Engineer", "Teacher")
+
+
+def test_reward_settings_come_from_env_config(bandit):
+    _, reset, _ = bandit
+    entries = apply_overrides(CUSTOM_ENVS, split_section(
+        ["custom_envs.Bandit.env_config.lo_arm_score=0.3", "custom_envs.Bandit.env_config.hi_arm_hiscore=2.0",
+         "custom_envs.Bandit.env_config.hi_arm_loscore=-1.0", "custom_envs.Bandit.env_config.hi_arm_hiscore_prob=0.5"],
+        SECTION)[0])
+    env = envs.make("Bandit", entries)
+    params = env.default_params
+    step = jax.jit(jax.vmap(env.step_env, in_axes=(0, 0, 0, None)))
+    keys = jax.random.split(jax.random.key(3), 4000)
+    _, states = reset(keys, params)
+    actions = np.arange(4000) % 2
+    _, after, reward, _, _ = step(keys, states, actions, params)
+    reward = np.asarray(reward)
+    np.testing.assert_allclose(reward[actions == 0], 0.3, rtol=1e-6)
+    assert set(np.unique(reward[actions == 1])) == {-1.0, 2.0} and abs((reward[actions == 1] == 2.0).mean() - 0.5) < 0.04
+    assert env.render_text(jax.tree.map(lambda x: x[0], after), params) == "Phoenix: 0.3 points"
+
+
+@pytest.mark.parametrize("kwargs, field", [({"hi_arm_hiscore_prob": 1.5}, "hi_arm_hiscore_prob"),
+                                           ({"lo_arm_score": float("nan")}, "lo_arm_score"),
+                                           ({"hi_arm_hiscore": "high"}, "hi_arm_hiscore")])
+def test_bad_reward_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        envs.make("Bandit", **kwargs)
 
 
 def test_bad_arm_names_name_the_field():

@@ -8,10 +8,14 @@ import numpy as np
 import pytest
 
 import envs
+from envs.registry import CUSTOM_ENVS
 from envs.sokoban import SokobanState
 from envs.sokoban_generation import assemble_level
 from envs.solvers import solve_sokoban
 from envs.text import env_prefix, turn_text
+from runtime.config import split_section
+from starpo_jax.custom_envs import SECTION, apply_overrides
+from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, run_turn
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -164,9 +168,22 @@ def test_assemble_level_round_trip():
     assert text == "#####\n#O__#\n#_X_#\n#__P#\n#####"
 
 
+def test_max_steps_ends_an_unsolved_episode_through_env_config():
+    entries = apply_overrides(CUSTOM_ENVS, split_section(["custom_envs.SimpleSokoban.env_config.max_steps=3"],
+                                                         SECTION)[0])
+    env = envs.make("SimpleSokoban", entries)
+    assert env.default_params.max_steps_in_episode == 3 and envs.make("SimpleSokoban").default_params.max_steps_in_episode == 100
+    slot = reset_slot(GymnaxHostEnv(env), 0, 0, 0)
+    slot.env.state = state_from_text("######\n#P_XO#\n#____#\n#____#\n#____#\n######")
+    run_turn(slot, "", ["Up", "Up"])  # two bumps into the wall: still playing
+    assert not slot.done
+    run_turn(slot, "", ["Up", "Right", "Right"])  # the third step ends the episode before the push
+    assert slot.done and not slot.success and slot.num_actions == 3
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"dim_room": (4, 6)}, "dim_room"), ({"num_boxes": 0}, "num_boxes"), ({"search_depth": 2}, "search_depth"),
+    [({"max_steps": 0}, "max_steps"), ({"dim_room": (4, 6)}, "dim_room"), ({"num_boxes": 0}, "num_boxes"), ({"search_depth": 2}, "search_depth"),
      ({"num_boxes": 5}, "num_boxes"), ({"grid_lookup": {0: "#"}}, "grid_lookup")],
 )
 def test_bad_settings_name_the_field(kwargs, field):

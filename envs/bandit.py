@@ -1,13 +1,11 @@
 """RAGEN's two-armed bandit: the agent guesses the better arm from the arms' names alone."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 from gymnax.environments import spaces
 
-from envs.base import TextEnvironment, step_info
+from envs.base import TextEnvironment, check_finite_float, step_info
 
 INIT_PROMPT = (
     "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. \n"
@@ -62,21 +60,17 @@ class Bandit(TextEnvironment):
                 raise ValueError(f"{field} must be a non-empty name without '||', got {name!r}")
         if lo_arm_name.lower() == hi_arm_name.lower():
             raise ValueError(f"lo_arm_name and hi_arm_name must differ, got {lo_arm_name!r} twice")
-        scores = {"lo_arm_score": lo_arm_score, "hi_arm_loscore": hi_arm_loscore, "hi_arm_hiscore": hi_arm_hiscore}
-        for field, value in scores.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{field} must be a finite number, got {value!r}")
-        if isinstance(hi_arm_hiscore_prob, bool) or not isinstance(hi_arm_hiscore_prob, (int, float)) \
-                or not 0.0 <= hi_arm_hiscore_prob <= 1.0:
+        if not 0.0 <= check_finite_float("hi_arm_hiscore_prob", hi_arm_hiscore_prob) <= 1.0:
             raise ValueError(f"hi_arm_hiscore_prob must be a probability in [0, 1], got {hi_arm_hiscore_prob!r}")
         self.action_names = (lo_arm_name, hi_arm_name)
-        self._params = BanditParams(**{k: float(v) for k, v in scores.items()},
-                                    hi_arm_hiscore_prob=float(hi_arm_hiscore_prob))
+        self.params = BanditParams(check_finite_float("lo_arm_score", lo_arm_score),
+                                   check_finite_float("hi_arm_loscore", hi_arm_loscore),
+                                   check_finite_float("hi_arm_hiscore", hi_arm_hiscore), float(hi_arm_hiscore_prob))
 
     @property
     def default_params(self) -> BanditParams:
         """RAGEN's ``BanditEnvConfig`` scores as this environment's ``env_config`` sets them."""
-        return self._params
+        return self.params
 
     def reset_env(self, key: jax.Array, params: BanditParams):
         swapped = jax.random.uniform(key) >= 0.5

@@ -1,6 +1,7 @@
 """What every text environment exposes besides the gymnax API: vocabulary, instruction and legend."""
 
 import functools
+import math
 from typing import Mapping
 
 import jax
@@ -22,6 +23,13 @@ def check_positive_int(name: str, value) -> int:
     if isinstance(value, bool) or int(value) != value or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def check_finite_float(name: str, value) -> float:
+    """Returns ``value`` as a float, raising a ValueError naming the field if it is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 class TextEnvironment(environment.Environment):

@@ -93,7 +93,7 @@ class Sokoban(TextEnvironment):
             raise ValueError(f"num_boxes={num_boxes} does not fit a room of width {width}")
         if check_positive_int("search_depth", search_depth) < 3:
             raise ValueError(f"search_depth must be at least 3, got {search_depth}")
-        self._params = SokobanParams(max_steps_in_episode=check_positive_int("max_steps", max_steps))
+        self.params = SokobanParams(max_steps_in_episode=check_positive_int("max_steps", max_steps))
         self.grid_lookup = dict(grid_lookup or DEFAULT_GRID_LOOKUP)
         if sorted(self.grid_lookup) != list(range(7)):
             raise ValueError(f"grid_lookup must map the cell codes 0-6, got keys {sorted(self.grid_lookup)}")
@@ -110,7 +110,7 @@ class Sokoban(TextEnvironment):
 
     @property
     def default_params(self) -> SokobanParams:
-        return self._params
+        return self.params
 
     @property
     def dim_room(self) -> tuple[int, int]:

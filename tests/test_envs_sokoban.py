@@ -172,7 +172,8 @@ def test_max_steps_ends_an_unsolved_episode_through_env_config():
     entries = apply_overrides(CUSTOM_ENVS, split_section(["custom_envs.SimpleSokoban.env_config.max_steps=3"],
                                                          SECTION)[0])
     env = envs.make("SimpleSokoban", entries)
-    assert env.default_params.max_steps_in_episode == 3 and envs.make("SimpleSokoban").default_params.max_steps_in_episode == 100
+    assert env.default_params.max_steps_in_episode == 3
+    assert envs.make("SimpleSokoban").default_params.max_steps_in_episode == 100
     slot = reset_slot(GymnaxHostEnv(env), 0, 0, 0)
     slot.env.state = state_from_text("######\n#P_XO#\n#____#\n#____#\n#____#\n######")
     run_turn(slot, "", ["Up", "Up"])  # two bumps into the wall: still playing
@@ -183,8 +184,8 @@ def test_max_steps_ends_an_unsolved_episode_through_env_config():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"max_steps": 0}, "max_steps"), ({"dim_room": (4, 6)}, "dim_room"), ({"num_boxes": 0}, "num_boxes"), ({"search_depth": 2}, "search_depth"),
-     ({"num_boxes": 5}, "num_boxes"), ({"grid_lookup": {0: "#"}}, "grid_lookup")],
+    [({"max_steps": 0}, "max_steps"), ({"dim_room": (4, 6)}, "dim_room"), ({"num_boxes": 0}, "num_boxes"),
+     ({"search_depth": 2}, "search_depth"), ({"num_boxes": 5}, "num_boxes"), ({"grid_lookup": {0: "#"}}, "grid_lookup")],
 )
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

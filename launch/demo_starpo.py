@@ -5,12 +5,14 @@
    stay at character level), loaded back through ``transformers``.
 2. Model: a small random Qwen2-architecture policy, saved as a Hugging Face folder.
 3. Supervised warm-up on demonstrations (``starpo_jax.demonstrations``): FrozenLake
-   names the goal's direction and heads there, with random actions mixed in; Bandit
-   shows each prompt with both arms, so the policy learns the format and starts near chance.
+   turns either name the goal's direction and head there or guess, about equally often,
+   after map-reading drills; Bandit shows each prompt with both arms. So the policy
+   learns the format and starts near chance on both.
 4. StarPO-S, one stage per environment, each ``launch.starpo.train`` from the SFT
    model; validation on held-out seeds before the first and after the last iteration.
    ``custom_envs.*`` overrides configure the environments of the demonstrations and of
-   every stage (e.g. ``custom_envs.FrozenLake.env_config.is_slippery=false``).
+   every stage; the demo's FrozenLake has no slip unless
+   ``custom_envs.FrozenLake.env_config.is_slippery=true``.
 5. PNG plots (the Echo Trap panel per stage, the SFT curve) and ``summary.json``.
 
 Outputs under ``--out``: ``tokenizer/``, ``init/``, ``sft/`` (HF folders),
@@ -38,6 +40,7 @@ from runtime.sharding import create_sharded
 from starpo_jax.chat_tokenizer import train_chat_tokenizer
 from starpo_jax.custom_envs import SECTION, apply_overrides
 from starpo_jax.demonstrations import demonstrate
+from starpo_jax.env_manager import Slot
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.hf_io import save_pretrained
 from starpo_jax.models.transformer import CausalLM
@@ -63,20 +66,42 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Demos:
+    """``count`` demonstrations on ``tag`` of ``max_turn`` turns, ``per_seed`` to a map or prompt.
+
+    ``guess``: the probability that a turn is a guess (``starpo_jax.demonstrations.demonstrate``).
+    ``instruction``: whether the first user message holds the environment's instruction, legend
+    and action list; without it a demonstration is its turns alone (a map-reading drill, less
+    than half as long as a 1-turn FrozenLake demonstration with it).
+    """
+
+    tag: str
+    count: int
+    guess: float
+    per_seed: int
+    max_turn: int
+    instruction: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class DemoConfig:
     """Sizes and step counts of the demo; ``fast()`` is the test configuration."""
 
     vocab_size: int = 768
-    hidden_size: int = 64
+    hidden_size: int = 128
     intermediate_size: int = 256
     num_layers: int = 2
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    # (tag, demonstrations, action noise, demonstrations per seed): Bandit shows each prompt with both arms.
-    demos: tuple[tuple[str, int, float, int], ...] = (("Bandit", 128, 0.0, 2), ("FrozenLake", 384, 0.5, 1))
-    actions_per_turn: int = 3
-    sft_steps: int = 800
-    sft_batch_size: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    # Bandit shows each prompt with both arms; FrozenLake: map-reading drills (1 turn, no instruction)
+    # and whole episodes of up to 3 turns where half the turns are guesses.
+    demos: tuple[Demos, ...] = (Demos("Bandit", 512, 0.0, 2, 1), Demos("FrozenLake", 10000, 0.0, 1, 1, False),
+                                 Demos("FrozenLake", 1000, 0.5, 1, 3))
+    # RAGEN ``custom_envs.*`` keys of the demo, before the user's: RAGEN's FrozenLake without slip.
+    custom_envs: tuple[str, ...] = ("custom_envs.FrozenLake.env_config.is_slippery=false",)
+    actions_per_turn: int = 1
+    sft_steps: int = 900
+    sft_batch_size: int = 16
     sft_lr: float = 3e-3
     rollout_bucket: int = 64
     stages: tuple[Stage, ...] = (
@@ -85,11 +110,12 @@ class DemoConfig:
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=16",
             "micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
             "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3")),
-        Stage("FrozenLake", 3, 24, 640, (
+        Stage("FrozenLake", 5, 24, 1024, (
             "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
-            "actor_rollout_ref.actor.optim.lr=1e-4", "critic.optim.lr=1e-3")),
+            "agent_proxy.max_actions_per_turn=1", "agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True",
+            "actor_rollout_ref.actor.optim.lr=5e-4", "critic.optim.lr=1e-3")),
     )
 
     @classmethod
@@ -98,9 +124,10 @@ class DemoConfig:
         small = ("es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.val.env_groups=2",
                  "trainer.total_training_steps=1", "trainer.test_freq=1", "ppo_mini_batch_size=2",
                  "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=1")
-        return cls(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                   num_kv_heads=1, demos=(("Bandit", 4, 0.0, 2), ("FrozenLake", 4, 0.5, 1)), sft_steps=2,
-                   sft_batch_size=4, rollout_bucket=768, stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
+        demos = (Demos("Bandit", 4, 0.0, 2, 1), Demos("FrozenLake", 4, 1.0, 1, 1, False), Demos("FrozenLake", 4, 1.0, 1, 2))
+        return cls(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                   demos=demos, sft_steps=2, sft_batch_size=4, rollout_bucket=768,
+                   stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
 
 
 def stage_overrides(stage: Stage, model_path: Path) -> list[str]:
@@ -136,17 +163,24 @@ def build_policy(config: DemoConfig, tokenizer, mesh: Mesh, folder: Path) -> Cau
     return model
 
 
+def play_demos(demos: Demos, first_seed: int, actions_per_turn: int, tag_id: int,
+               custom_envs: Mapping[str, EnvEntry]) -> list[Slot]:
+    """Plays ``demos`` on seeds from ``first_seed``; without ``instruction`` a slot's first user message
+    holds its turns alone."""
+    seeds = [first_seed + i // demos.per_seed for i in range(demos.count)]
+    played = demonstrate(demos.tag, seeds, demos.max_turn, actions_per_turn, demos.guess, tag_id=tag_id,
+                         custom_envs=custom_envs)
+    return played if demos.instruction else [dataclasses.replace(slot, prefix="") for slot in played]
+
+
 def warm_up(config: DemoConfig, out: Path, mesh: Mesh, custom_envs: Mapping[str, EnvEntry]) -> Path:
     """Tokenizer, random policy and SFT on demonstrations in ``custom_envs``; returns the SFT model folder."""
     sft_folder = out / "sft"
     if (sft_folder / "config.json").exists():
         return sft_folder
-    max_turn = {stage.tag: stage.max_turn for stage in config.stages}
     slots = []
-    for tag_id, (tag, count, noise, per_seed) in enumerate(config.demos):
-        seeds = [DEMO_SEED + tag_id * count + i // per_seed for i in range(count)]
-        slots += demonstrate(tag, seeds, max_turn[tag], config.actions_per_turn, noise, tag_id=tag_id,
-                             custom_envs=custom_envs)
+    for tag_id, demos in enumerate(config.demos):
+        slots += play_demos(demos, DEMO_SEED + len(slots), config.actions_per_turn, tag_id, custom_envs)
     tokenizer = train_chat_tokenizer(tokenizer_corpus(slots), out / "tokenizer", config.vocab_size)
     with jax.set_mesh(mesh):
         model = build_policy(config, tokenizer, mesh, out / "init")
@@ -174,6 +208,7 @@ def run(out: Path, mesh: Mesh, preset: str = "starpo-s-ppo", overrides: Sequence
 
     clock = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    overrides = [*config.custom_envs, *overrides]
     custom_envs = apply_overrides(CUSTOM_ENVS, split_section(overrides, SECTION)[0])
     model_path = warm_up(config, out, mesh, custom_envs)
     (out / "plots").mkdir(exist_ok=True)

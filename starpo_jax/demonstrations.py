@@ -2,8 +2,8 @@
 
 A demonstrator plays one slot (``starpo_jax.env_manager``) to the end with
 responses ``<think>…</think><answer>a1 || a2</answer>``: on FrozenLake the thought names
-the goal's direction from the player (``The goal is down and left.``) and the turn moves
-that way, vertical part first (``Down || Down || Down``), re-read every turn; Bandit pulls
+the way to the goal from the player, the vertical part first (``The goal is down.``; sideways
+only on the goal's row), and the turn moves that way (``Down``), re-read every turn; Bandit pulls
 the two arms equally often, whatever order the prompt lists them in, so a model imitating
 it starts at chance. The played slots render to training sequences exactly as rollouts do
 (``starpo_jax.rollout.pack_trajectory``).
@@ -21,6 +21,7 @@ from envs.frozen_lake import GOAL, FrozenLake
 from starpo_jax.env_manager import GymnaxHostEnv, Slot, reset_slot, run_turn
 
 BANDIT_THOUGHT = "I pick one arm."
+GUESS_THOUGHT = "I guess."
 
 
 def response(thought: str, actions: list[str]) -> str:
@@ -42,7 +43,7 @@ def goal_direction(desc: np.ndarray, position: int) -> list[str]:
 
 
 def frozen_lake_turn(slot: Slot, actions_per_turn: int) -> tuple[str, list[str]]:
-    """Names the goal's direction and moves along its first part for the whole turn.
+    """Names the first part of the goal's direction and moves that way for the whole turn.
 
     With slip a move never goes opposite to the chosen action, so heading for the goal's row
     (then its column) is a policy a thought can carry: on RAGEN's validation maps it reaches
@@ -50,7 +51,7 @@ def frozen_lake_turn(slot: Slot, actions_per_turn: int) -> tuple[str, list[str]]
     in about two fifths, random play in one fifth.
     """
     direction = goal_direction(np.asarray(slot.env.state.desc), int(slot.env.state.position))
-    return f"The goal is {' and '.join(direction)}.", [direction[0].capitalize()] * actions_per_turn
+    return f"The goal is {direction[0]}.", [direction[0].capitalize()] * actions_per_turn
 
 
 DEMONSTRATORS: dict[type, Callable[[Slot, int], tuple[str, list[str]]]] = {
@@ -59,18 +60,19 @@ DEMONSTRATORS: dict[type, Callable[[Slot, int], tuple[str, list[str]]]] = {
 }
 
 
-def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_turn: int = 2, noise: float = 0.0,
+def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_turn: int = 2, guess: float = 0.0,
                 rng: np.random.Generator | None = None, tag_id: int = 0,
                 custom_envs: Mapping[str, envs.EnvEntry] | None = None) -> list[Slot]:
     """Plays one demonstration per seed; each slot ends done or after ``max_turn`` turns.
 
     The environment is ``envs.make(tag, custom_envs)``, so any tag of a Bandit or FrozenLake type works.
 
-    With ``noise`` > 0 each demonstrated action is replaced, with that probability, by an action
-    drawn uniformly (ε-greedy exploration): the imitating policy keeps room that RL can improve.
+    With ``guess`` > 0 a turn is, with that probability, a guess: the thought says so
+    (``I guess.``) and the actions are drawn uniformly. A policy imitating both plays both ways,
+    as Bandit's demonstrations pull both arms; RL then has to find which way pays.
     """
-    if not 0.0 <= noise <= 1.0:
-        raise ValueError(f"noise must be in [0, 1], got {noise}")
+    if not 0.0 <= guess <= 1.0:
+        raise ValueError(f"guess must be in [0, 1] (the probability that a turn is a guess), got {guess}")
     env = envs.make(tag, custom_envs)
     if type(env) not in DEMONSTRATORS:
         raise ValueError(f"no demonstrator for environment tag {tag!r} ({type(env).__name__}); there are "
@@ -83,8 +85,10 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
         for turn in range(max_turn):
             if slot.done:
                 break
-            thought, actions = policy(slot, actions_per_turn)
-            actions = [str(rng.choice(env.action_names)) if rng.random() < noise else action for action in actions]
+            if rng.random() < guess:
+                thought, actions = GUESS_THOUGHT, [str(rng.choice(env.action_names)) for _ in range(actions_per_turn)]
+            else:
+                thought, actions = policy(slot, actions_per_turn)
             run_turn(slot, response(thought, actions), actions)
         slots.append(slot)
     return slots

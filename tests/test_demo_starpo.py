@@ -5,11 +5,14 @@ import json
 import jax
 import pytest
 
+from envs.frozen_lake import FROZEN_LAKE_INSTRUCTION
+from envs.registry import CUSTOM_ENVS
 from launch import demo_starpo
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.metrics import read_jsonl
 from starpo_jax.demonstrations import demonstrate
 from starpo_jax.tokenizer import load_tokenizer
+from starpo_jax.trajectory import render_chat
 
 STAGE_KEYS = ("success", "num_actions", "action_is_effective", "action_is_valid", "reward/mean", "reward/std")
 TRAIN_KEYS = ("rollout/in_group_std", "rollout/chosen_in_group_std", "actor/pg_loss", "actor/entropy_loss",
@@ -50,3 +53,15 @@ def test_tokenizer_keeps_grids_at_character_level(demo):
     assert tokenizer.tokenize("_P__\nO_G_") == ["_", "P", "_", "_", "Ċ", "O", "_", "G", "_"]
     corpus = demo_starpo.tokenizer_corpus(demonstrate("FrozenLake", [3], max_turn=1))
     assert "State:\n\nYou have 10 actions left" in corpus[0]
+
+
+
+def test_demonstrations_without_the_instruction_are_their_turns_alone():
+    kept, drills = (demo_starpo.play_demos(demo_starpo.Demos("FrozenLake", 3, 0.5, 1, 2, instruction), 7, 1, 1,
+                                           CUSTOM_ENVS) for instruction in (True, False))
+    for full, drill in zip(kept, drills):
+        full_chat, drill_chat = (render_chat(s.prefix, s.history, for_update=True) for s in (full, drill))
+        assert full_chat[1]["content"].startswith(FROZEN_LAKE_INSTRUCTION)
+        assert drill_chat[1]["content"] == full_chat[1]["content"][len(full.prefix):]
+        assert drill_chat[1]["content"].startswith("\nTurn 1:\nState:\n")
+        assert drill_chat[2:] == full_chat[2:] and drill.score == full.score

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from envs.text import parse_response
-from starpo_jax.demonstrations import demonstrate
+from starpo_jax.demonstrations import GUESS_THOUGHT, demonstrate
 from starpo_jax.plots import ema, env_tags, plot_echo_trap, series
 from starpo_jax.sft import SFTBatch, epoch_batches, sft_loss
 from starpo_jax.trajectory import Trajectory
@@ -26,7 +26,7 @@ def test_bandit_demonstrations_pull_each_arm_half_the_time_in_ragen_format():
     assert np.mean([s.success for s in slots]) == 0.5
 
 
-def test_frozen_lake_demonstrations_name_the_goal_direction_and_head_there_each_turn():
+def test_frozen_lake_demonstrations_name_the_way_to_the_goal_and_head_there_each_turn():
     turns = 0
     for slot in demonstrate("FrozenLake", range(12), max_turn=3, actions_per_turn=2):
         for turn in slot.history[:len(slot.turn_infos)]:
@@ -35,10 +35,25 @@ def test_frozen_lake_demonstrations_name_the_goal_direction_and_head_there_each_
             (goal_row, goal_col), = [(r, row.index("G")) for r, row in enumerate(rows) if "G" in row]
             words = [w for w, on in (("down", goal_row > player_row), ("up", goal_row < player_row),
                                      ("right", goal_col > player_col), ("left", goal_col < player_col)) if on]
-            assert turn.llm_response == (f"<think>The goal is {' and '.join(words)}.</think>"
+            assert turn.llm_response == (f"<think>The goal is {words[0]}.</think>"
                                          f"<answer>{words[0].title()} || {words[0].title()}</answer>")
             turns += 1
     assert turns > 12
+
+
+def test_guessed_turns_say_so_and_draw_their_actions_uniformly():
+    played = [turn for slot in demonstrate("FrozenLake", range(80), max_turn=3, actions_per_turn=1, guess=0.5)
+              for turn in slot.history[:len(slot.turn_infos)]]
+    guessed = [parse_response(t.llm_response) for t in played if t.llm_response.startswith(f"<think>{GUESS_THOUGHT}<")]
+    reasoned = [t for t in played if t.llm_response.startswith("<think>The goal is ")]
+    assert len(guessed) + len(reasoned) == len(played) > 100
+    assert 0.35 < len(guessed) / len(played) < 0.65
+    assert all(p.matched and len(p.actions) == 1 for p in guessed)
+    assert {p.actions[0] for p in guessed} == {"Left", "Down", "Right", "Up"}
+    always = demonstrate("Bandit", range(6), max_turn=1, actions_per_turn=1, guess=1.0)
+    assert all(s.history[0].llm_response.startswith(f"<think>{GUESS_THOUGHT}</think><answer>") for s in always)
+    with pytest.raises(ValueError, match=r"guess must be in \[0, 1\]"):
+        demonstrate("FrozenLake", [0], max_turn=1, guess=1.5)
 
 
 def test_unknown_demonstrator_is_a_clear_error():

@@ -231,15 +231,16 @@ def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32)
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="starpo-s-ppo", choices=sorted(PRESETS))
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="default: starpo-s-ppo, or the demo's starpo-s-grpo without model_path")
     parser.add_argument("--out", default="runs/starpo", help="metrics, checkpoints and the exported model")
     parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes (one may be -1) or a MESH_PRESETS name")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     mesh = make_mesh(mesh_config(args.mesh))
     if not any("model_path" in o or "model-path" in o for o in overrides):
         from launch import demo_starpo
-        return demo_starpo.run(Path(args.out), mesh, args.preset, overrides)
-    return train(load_config(args.preset, overrides), mesh, Path(args.out))
+        return demo_starpo.run(Path(args.out), mesh, args.preset or demo_starpo.DEMO_PRESET, overrides)
+    return train(load_config(args.preset or "starpo-s-ppo", overrides), mesh, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -75,3 +75,16 @@ def test_fused_driver_validates_like_the_host_driver(checkpoint, tmp_path):
         assert "train/Bandit/success" in last and "actor/pg_loss" in last
     host, fused = ((tmp_path / d / "rollouts" / "val_step0.jsonl").read_text() for d in ("host", "fused"))
     assert fused == host and len(host.splitlines()) == 8
+
+
+def test_preset_defaults_to_ppo_on_a_model_and_to_the_demo_preset_without_one(checkpoint, monkeypatch):
+    """No ``--preset``: ``starpo-s-ppo`` (GAE) on ``model_path``; the demo's StarPO-S GRPO without it."""
+    from launch import demo_starpo
+    seen = {}
+    monkeypatch.setattr(starpo, "train", lambda config, mesh, out: seen.update(trainer=config))
+    monkeypatch.setattr(demo_starpo, "run", lambda out, mesh, preset, overrides: seen.update(demo=preset))
+    starpo.main(["--mesh", "1,-1,1", f"model_path={checkpoint}"])
+    starpo.main(["--mesh", "1,-1,1"])
+    assert seen["trainer"].algorithm.adv_estimator == "gae" and seen["demo"] == "starpo-s-grpo"
+    starpo.main(["--preset", "starpo-s-ppo", "--mesh", "1,-1,1"])
+    assert seen["demo"] == "starpo-s-ppo"

@@ -9,7 +9,8 @@
    after map-reading drills; Bandit shows each prompt with both arms. So the policy
    learns the format and starts near chance on both.
 4. StarPO-S (GRPO variant, ``DEMO_PRESET``), one stage per environment, each
-   ``launch.starpo.train`` from the SFT model; validation on held-out seeds before the first and after the last iteration.
+   ``launch.starpo.train`` from the SFT model; validation on held-out seeds before the
+   first and after the last iteration.
    ``custom_envs.*`` overrides configure the environments of the demonstrations and of
    every stage; the demo's FrozenLake has no slip unless
    ``custom_envs.FrozenLake.env_config.is_slippery=true``.

@@ -56,7 +56,6 @@ def test_tokenizer_keeps_grids_at_character_level(demo):
     assert "State:\n\nYou have 10 actions left" in corpus[0]
 
 
-
 def test_demonstrations_without_the_instruction_are_their_turns_alone():
     kept, drills = (demo_starpo.play_demos(demo_starpo.Demos("FrozenLake", 3, 0.5, 1, 2, instruction), 7, 1, 1,
                                            CUSTOM_ENVS) for instruction in (True, False))

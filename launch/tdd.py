@@ -96,7 +96,8 @@ DISTIL_PRESETS = {
 class SampleConfig:
     """TDD sampling (spec §11-12) with a LoRA on the teacher; ``lora=""`` samples the teacher itself.
 
-    ``guidance`` is the CFG scale on the distilled model (1: one pass, the distilled guidance).
+    ``guidance`` is the CFG scale on the distilled model; ≤ 1 is one pass, the distilled guidance (CFG only
+    above 1, as diffusers' pipelines).
     ``inference_uncond``: ``empty_prompt`` encodes ``negative_prompt``; ``zeros`` as stock SDXL pipelines.
     ``lora_alpha`` applies to adapters whose file stores no alpha. ``t_l`` ≥ 0 clips x̂0 on steps 0..t_l.
     """
@@ -296,9 +297,7 @@ def sample(cfg: SampleConfig) -> list[Path]:
     size = resolution // factor
     x_T = jax.random.normal(jax.random.key(cfg.seed), (len(cfg.prompts), size, size, pipe.unet.cfg.in_channels))
     graphdef, state = nnx.split(pipe.unet)
-    guided = cfg.guidance != 1.0
-    latents = sample_module(graphdef, state, x_T, cond, uncond if guided else None, plan, cfg.guidance,
-                            jax.random.key(cfg.seed + 1))
+    latents = sample_module(graphdef, state, x_T, cond, uncond, plan, cfg.guidance, jax.random.key(cfg.seed + 1))
     images = np.asarray(nnx.jit(lambda vae, z: vae.decode(vae.unscale_latents(z)))(pipe.vae, latents))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

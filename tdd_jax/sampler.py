@@ -9,7 +9,7 @@ Each step i, from t_i with model output ε:
 3. re-noising forward to t_{i+1}: ``sqrt(ᾱ_{t_{i+1}}/ᾱ_s)·x_s + sqrt(1 − ᾱ_{t_{i+1}}/ᾱ_s)·z``.
 
 With eta = 0 this is plain DDIM on the same timesteps. Guidance is ordinary CFG with scale g on
-the distilled model: ``ε = ε_u + g·(ε_c − ε_u)``.
+the distilled model: ``ε = ε_u + g·(ε_c − ε_u)``, applied only when g > 1 (as diffusers' pipelines).
 
 The model is any callable ``eps_fn(x, t, cond) -> ε`` with x (B, H, W, C), t int (B,) and cond a
 ``Conditioning`` (SD1.5: context only; SDXL: plus pooled ``text_embeds`` and ``time_ids``);
@@ -144,11 +144,15 @@ def tdd_sample(eps_fn: EpsFn, x_T: jax.Array, cond: Conditioning, plan: Sampling
       key: PRNG key; step i re-noises with ``normal(split(key, N)[i])``.
       uncond: unconditional ``Conditioning`` for CFG (batch 1 or B; its ``added`` may hold only the keys it
         replaces, e.g. ``text_embeds``); None: no CFG.
-      guidance_scale: CFG scale g (used only with ``uncond``).
+      guidance_scale: CFG scale g (used only with ``uncond``); a Python number ≤ 1 turns CFG off, as
+        diffusers' ``do_classifier_free_guidance`` (``guidance_scale > 1``).
       sample_max_value: upper bound of the dynamic-thresholding quantile.
     """
-    if uncond is None and isinstance(guidance_scale, (int, float)) and guidance_scale != 1.0:
-        raise ValueError("guidance_scale other than 1 needs the unconditional conditioning `uncond`")
+    if isinstance(guidance_scale, (int, float)):
+        if guidance_scale <= 1.0:
+            uncond = None  # as diffusers' pipelines: CFG only when guidance_scale > 1
+        elif uncond is None:
+            raise ValueError("guidance_scale above 1 needs the unconditional conditioning `uncond`")
     if sample_max_value < 1.0:
         raise ValueError(f"sample_max_value must be >= 1 (1 = hard clip to [-1, 1]), got {sample_max_value}")
 

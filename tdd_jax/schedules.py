@@ -16,6 +16,7 @@ Integer timestep tables are built on the host in NumPy (they are static); ᾱ is
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Mapping, NamedTuple
 
@@ -123,13 +124,19 @@ def equidistant_schedule(grid: np.ndarray, num_steps: int) -> np.ndarray:
 
 
 def special_jump_schedule(grid: np.ndarray, num_steps: int) -> np.ndarray:
-    """The non-equidistant schedules of TDDScheduler(special_jump=True) (spec §11), 250-point grid only."""
+    """The non-equidistant schedules of TDDScheduler(special_jump=True) (spec §11), 250-point grid only.
+
+    For a step count without a special schedule (not 5, 6 or 7) the reference keeps the equidistant
+    schedule; so does this, with a warning.
+    """
     grid = np.asarray(grid)
     if len(grid) != SPECIAL_JUMP_GRID_SIZE or grid[-1] != 999:
         raise ValueError(f"special_jump needs num_ddim_timesteps={SPECIAL_JUMP_GRID_SIZE} over 1000 train "
                          f"timesteps, got a {len(grid)}-point grid ending at {grid[-1]}")
     if num_steps not in SPECIAL_JUMP_SCHEDULES:
-        raise ValueError(f"special_jump defines num_steps {sorted(SPECIAL_JUMP_SCHEDULES)}, got {num_steps}")
+        logging.warning("special_jump defines schedules for %s steps only; %d steps use the equidistant schedule "
+                        "(as TDDScheduler does)", sorted(SPECIAL_JUMP_SCHEDULES), num_steps)
+        return equidistant_schedule(grid, num_steps)
     return np.asarray(SPECIAL_JUMP_SCHEDULES[num_steps], np.int64)
 
 

@@ -128,5 +128,9 @@ def test_cfg_vs_separate_passes(setup):
     np.testing.assert_allclose(sample(x_T, plan, key, single, 2.0), guided, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="uncond"):
         tdd_sample(model_fn, x_T, cond, plan, key, None, 2.0)
+    # as diffusers (do_classifier_free_guidance = guidance_scale > 1): no CFG at or below 1, uncond or not
+    unguided = np.asarray(tdd_sample(model_fn, x_T, cond, plan, key))
+    for scale in (0.5, 1.0):
+        np.testing.assert_array_equal(tdd_sample(model_fn, x_T, cond, plan, key, uncond, scale), unguided)
     with pytest.raises(ValueError, match="sample_max_value"):
         tdd_sample(model_fn, x_T, cond, plan, key, sample_max_value=0.5)

@@ -76,13 +76,14 @@ def test_equidistant_schedules_equal_spec(num_steps):
     assert list(sch.inference_schedule(grid, num_steps)) == SPEC_SCHEDULES[num_steps]
 
 
-def test_special_jump_schedules():
+def test_special_jump_schedules(caplog):
     grid, _ = sch.ddim_timesteps(1000, 250)
     assert list(sch.inference_schedule(grid, 5, special_jump=True)) == [999, 875, 751, 499, 251]
     assert list(sch.inference_schedule(grid, 6, special_jump=True)) == [999, 875, 751, 627, 499, 251]
     assert list(sch.inference_schedule(grid, 7, special_jump=True)) == [999, 875, 751, 627, 499, 375, 251]
-    with pytest.raises(ValueError, match="num_steps"):
-        sch.inference_schedule(grid, 4, special_jump=True)
+    for num_steps in (4, 8):  # no special schedule: the reference keeps the equidistant one
+        assert list(sch.inference_schedule(grid, num_steps, special_jump=True)) == SPEC_SCHEDULES[num_steps]
+    assert "4 steps use the equidistant schedule" in caplog.text
     with pytest.raises(ValueError, match="num_ddim_timesteps=250"):
         sch.inference_schedule(sch.ddim_timesteps(1000, 50)[0], 5, special_jump=True)
 

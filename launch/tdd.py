@@ -6,8 +6,10 @@
         'prompts=[a photo of a cat]' steps=4 eta=0.2 guidance=1.7 out=samples
     python -m launch.tdd export run=runs/tdd_sdxl format=peft out=runs/tdd_sdxl/lora_peft.safetensors
 
-``distil`` caches VAE latents and text embeddings of ``data`` (an image–caption folder or webdataset
-shards) in ``<out>/cache``, trains LoRA adapters on the UNet with ``tdd_jax.distill``, writes metrics
+``distil`` caches the VAE posteriors (mean and log-variance; each step draws a fresh latent) of
+``crops_per_image`` random crops per image and the text embeddings of ``data`` (an image–caption folder or
+webdataset shards) in ``<out>/cache``, trains LoRA adapters on the UNet with ``tdd_jax.distill`` (with
+``adversarial=true``: TDD-adv, ``tdd_jax.adversarial``, its discriminator checkpointed too), writes metrics
 (``metrics.jsonl`` + TensorBoard) and checkpoints (resumed automatically, exactly; SIGTERM saves and
 exits) and finally the LoRA as ``<out>/lora.safetensors`` (kohya keys with ``.alpha``). Presets ``sdxl``
 and ``sd15`` carry the reference hyperparameters (spec §9); ``tiny`` is for tests.
@@ -35,8 +37,10 @@ from PIL import Image
 from launch.tdd_loop import distil_loop
 from runtime.checkpoint import Checkpointer
 from runtime.config import parse_config
-from runtime.mesh import MeshConfig, make_mesh
-from tdd_jax.data import build_cache, iter_source, load_cache, save_image_grid, to_uint8
+from runtime.mesh import MeshConfig, make_mesh, replicated
+from tdd_jax.adversarial import (NON_FINITE_KEYS, AdversarialConfig, AdversarialState, DiscriminatorHeads, alternate,
+                                 alternating_steps, init_discriminator_state, make_adversarial_steps)
+from tdd_jax.data import LATENT_SAMPLING, build_cache, cache_batches, iter_source, load_cache, save_image_grid, to_uint8
 from tdd_jax.distill import (DistillConfig, Unconditional, compile_distill_step, init_distill_state,
                              make_distill_step, split_model, unconditional_embedding)
 from tdd_jax.models.clip import prompt_embeddings, tokenize
@@ -56,6 +60,10 @@ class DistilRunConfig:
     ``cache`` defaults to ``<out>/cache``; it is built from ``data`` when it holds no shards.
     ``mesh`` is (data, fsdp, tensor), one entry may be -1. Steps with non-finite gradients are skipped;
     ``max_consecutive_non_finite`` of them in a row stop the run after a checkpoint of the last finite state.
+    ``crops_per_image`` K caches K random crops per image (one shown per visit); ``latent_sampling``
+    ``sample`` draws each step's latent from the cached posterior (reference), ``mean`` uses its mean.
+    ``adversarial`` trains TDD-adv with ``adv``; ``max_train_steps`` then counts discriminator and student
+    updates together, as the reference's ``global_step``.
     """
 
     teacher: str = ""
@@ -75,20 +83,25 @@ class DistilRunConfig:
     remat: bool = False
     random_flip: bool = False
     use_fix_crop_and_size: bool = True
+    crops_per_image: int = 1
+    latent_sampling: str = "sample"
+    adversarial: bool = False
     distill: DistillConfig = DistillConfig(num_microbatches=4)
+    adv: AdversarialConfig = AdversarialConfig()
 
 
 DISTIL_PRESETS = {
     # train_tdd.sh: 16 per GPU x 8 GPUs x 4 accumulation steps, lr 1e-6, N_ddim 250, huber, p_empty 0.2, zeros.
     "sdxl": DistilRunConfig(),
     # train/SD15/train_tdd.py defaults (512 px, N_ddim 50, lr 1e-4, l2, wd 1e-2, encoded ""), but p_empty 0.2
-    # (spec §18.12); SDXL's batch.
+    # (spec §18.12); SDXL's batch. TDD-adv's discriminator has heads on the up blocks too (9 heads).
     "sd15": DistilRunConfig(resolution=512, distill=DistillConfig(
         num_ddim_timesteps=50, learning_rate=1e-4, loss_type="l2", adam_weight_decay=1e-2,
-        teacher_uncond="empty_prompt", num_microbatches=4)),
+        teacher_uncond="empty_prompt", num_microbatches=4), adv=AdversarialConfig(up_blocks=True)),
     "tiny": DistilRunConfig(resolution=8, batch_size=8, max_train_steps=4, checkpointing_steps=1, lora_rank=4,
                             lora_alpha=4.0, seed=0, distill=DistillConfig(num_ddim_timesteps=50, learning_rate=1e-3,
-                                                                          teacher_uncond="empty_prompt")),
+                                                                          teacher_uncond="empty_prompt"),
+                            adv=AdversarialConfig(head_groups=8)),
 }
 
 
@@ -157,14 +170,23 @@ def check_distil(cfg: DistilRunConfig) -> dict:
     """Validates a run before anything is loaded or compiled; returns the teacher's UNet config."""
     unet = check_teacher(cfg.teacher)
     for field in ("resolution", "batch_size", "max_train_steps", "checkpointing_steps", "max_consecutive_non_finite",
-                  "lora_rank"):
+                  "lora_rank", "crops_per_image"):
         if getattr(cfg, field) < 1:
             fail(field, f"must be >= 1, got {getattr(cfg, field)}")
     cache = cfg.cache or os.path.join(cfg.out, "cache")
     has_cache = os.path.isdir(cache) and any(n.startswith("shard_") for n in os.listdir(cache))
     if not has_cache and not (cfg.data and os.path.exists(cfg.data)):
         fail("data", f"{cfg.data!r} does not exist and the cache {cache!r} holds no shards")
+    if cfg.latent_sampling not in LATENT_SAMPLING:
+        fail("latent_sampling", f"must be one of {LATENT_SAMPLING}, got {cfg.latent_sampling!r}")
     micro = cfg.distill.num_microbatches
+    if cfg.adversarial:
+        if micro != 1 or cfg.distill.ema_decay is not None:
+            fail("adversarial", "TDD-adv steps take the whole batch and target the online student: set "
+                                f"distill.num_microbatches=1 (got {micro}) and distill.ema_decay=null")
+        bad = [c for c in unet["block_out_channels"] if c % cfg.adv.head_groups]
+        if bad:
+            fail("adv.head_groups", f"{cfg.adv.head_groups} must divide the UNet's block channels, not {bad}")
     if cfg.batch_size % micro:
         fail("distill.num_microbatches", f"{micro} must divide batch_size={cfg.batch_size}")
     data, fsdp, _ = MeshConfig(*cfg.mesh).shape(jax.device_count())
@@ -192,25 +214,44 @@ def encode_prompts(pipe, prompts: Sequence[str], sdxl: bool) -> Conditioning:
     return Conditioning(np.asarray(context), {"text_embeds": np.asarray(pooled)} if sdxl else None)
 
 
+_encode_posterior = nnx.jit(lambda vae, x: tuple(vae.scale_posterior(vae.encode(x))))
+
+
 def cache_data(cfg: DistilRunConfig, cache: Path, sdxl: bool, mesh) -> None:
-    """VAE latents (``latent_dist.sample()``, scaled) and text embeddings of ``cfg.data``, with progress."""
+    """VAE posteriors of the scaled latents (the step samples them) and text embeddings of ``cfg.data``."""
     parts = ("vae", "text_encoder", "tokenizer") + (("text_encoder_2", "tokenizer_2") if sdxl else ())
     pipe = load_pipeline(cfg.teacher, mesh, components=parts)
-    encode = nnx.jit(lambda vae, x, key: vae.scale_latents(vae.encode(x).sample(key)))
-    keys = iter(jax.random.split(jax.random.key(cfg.seed), 1 << 20))
-    build_cache(iter_source(cfg.data), lambda x: np.asarray(encode(pipe.vae, jnp.asarray(x), next(keys))),
+    build_cache(iter_source(cfg.data), lambda x: tuple(map(np.asarray, _encode_posterior(pipe.vae, jnp.asarray(x)))),
                 lambda captions: encode_prompts(pipe, captions, sdxl), cache, cfg.resolution, seed=cfg.seed,
-                random_flip=cfg.random_flip, use_fix_crop_and_size=cfg.use_fix_crop_and_size)
+                random_flip=cfg.random_flip, use_fix_crop_and_size=cfg.use_fix_crop_and_size,
+                crops_per_image=cfg.crops_per_image)
 
 
 def build_student(cfg: DistilRunConfig, mesh):
-    """The teacher's UNet with fresh LoRA adapters, split for distillation, plus its ᾱ table."""
+    """The teacher's UNet with fresh LoRA adapters, split for distillation, plus its ᾱ table.
+
+    Returns ``(graphdef, state, frozen, alphas_cumprod, heads_graphdef)``; with ``cfg.adversarial`` the
+    state is an ``AdversarialState`` with fresh discriminator heads, otherwise a ``DistillState`` (and no heads).
+    """
     pipe = load_pipeline(cfg.teacher, mesh, components=("unet", "scheduler_config"),
                          unet_overrides={"dtype": cfg.unet_dtype, "remat": cfg.remat})
     add_lora(pipe.unet, LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha), nnx.Rngs(cfg.seed), mesh)
     graphdef, params, frozen = split_model(pipe.unet, lora=True)
     state = init_distill_state(params, cfg.distill, jax.random.key(cfg.seed), mesh)
-    return graphdef, state, frozen, alphas_cumprod_from_config(pipe.scheduler_config)
+    abar = alphas_cumprod_from_config(pipe.scheduler_config)
+    if not cfg.adversarial:
+        return graphdef, state, frozen, abar, None
+    with nnx.use_eager_sharding(False):
+        heads = DiscriminatorHeads(pipe.unet.cfg, cfg.adv.head_groups, cfg.adv.up_blocks, rngs=nnx.Rngs(cfg.seed + 1))
+    heads_graphdef, heads = nnx.split(heads)
+    disc = init_discriminator_state(jax.device_put(heads, replicated(mesh)), cfg.adv)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
+    return graphdef, AdversarialState(state, disc, step), frozen, abar, heads_graphdef
+
+
+def student_params(state):
+    """The LoRA parameters of a ``DistillState`` or an ``AdversarialState``."""
+    return state.student.params if isinstance(state, AdversarialState) else state.params
 
 
 def distil(cfg: DistilRunConfig) -> dict[str, float]:
@@ -224,20 +265,25 @@ def distil(cfg: DistilRunConfig) -> dict[str, float]:
     with jax.set_mesh(mesh):
         if not (cache.is_dir() and any(p.name.startswith("shard_") for p in cache.iterdir())):
             cache_data(cfg, cache, sdxl, mesh)
-        data, empty = load_cache(cache)
+        data, empty = load_cache(cache, cfg.latent_sampling)
         if data.latents.shape[0] < cfg.batch_size:
             fail("batch_size", f"{cfg.batch_size} is larger than the {data.latents.shape[0]} cached examples in {cache}")
-        graphdef, state, frozen, abar = build_student(cfg, mesh)
+        graphdef, state, frozen, abar, heads_graphdef = build_student(cfg, mesh)
         uncond = Unconditional(empty, unconditional_embedding(empty, cfg.distill.teacher_uncond))
-        example = jax.tree.map(lambda x: x[:cfg.batch_size], data)
-        step = compile_distill_step(make_distill_step(graphdef, cfg.distill.schedule(abar), cfg.distill), state,
-                                    frozen, example, mesh)
+        example = next(cache_batches(data, cfg.batch_size))
+        schedule = cfg.distill.schedule(abar)
+        if cfg.adversarial:
+            steps = alternating_steps(*make_adversarial_steps(graphdef, heads_graphdef, schedule, cfg.distill, cfg.adv))
+            step = alternate(*(compile_distill_step(s, state, frozen, example, mesh) for s in steps))
+        else:
+            step = compile_distill_step(make_distill_step(graphdef, schedule, cfg.distill), state, frozen, example, mesh)
         state, last = distil_loop(step, state, frozen, uncond, data, mesh, steps=cfg.max_train_steps,
                                   batch_size=cfg.batch_size, seed=cfg.seed, out=out,
                                   checkpoint_every=cfg.checkpointing_steps,
-                                  max_consecutive_non_finite=cfg.max_consecutive_non_finite)
+                                  max_consecutive_non_finite=cfg.max_consecutive_non_finite,
+                                  non_finite_keys=NON_FINITE_KEYS if cfg.adversarial else NON_FINITE_KEYS[:1])
         if int(state.step) == cfg.max_train_steps:
-            export_kohya(nnx.merge(graphdef, state.params, frozen.base), str(out / "lora.safetensors"))
+            export_kohya(nnx.merge(graphdef, student_params(state), frozen.base), str(out / "lora.safetensors"))
     return last
 
 
@@ -249,14 +295,15 @@ def export(cfg: ExportConfig) -> Path:
     if not config_path.is_file():
         fail("run", f"{cfg.run!r} is not a distil run folder: missing config.json")
     saved = json.loads(config_path.read_text())
-    run = DistilRunConfig(**{**saved, "mesh": (1, -1, 1), "distill": DistillConfig(**saved["distill"])})
+    run = DistilRunConfig(**{**saved, "mesh": (1, -1, 1), "distill": DistillConfig(**saved["distill"]),
+                             "adv": AdversarialConfig(**saved.get("adv", {}))})
     check_teacher(run.teacher, "run's teacher")
     mesh = make_mesh(MeshConfig(*run.mesh))
     with jax.set_mesh(mesh), Checkpointer(Path(cfg.run) / "checkpoints") as ckpt:
-        graphdef, state, frozen, _ = build_student(run, mesh)
+        graphdef, state, frozen, *_ = build_student(run, mesh)
         state, _, step = ckpt.restore(state, cfg.step)
         path = Path(cfg.out or Path(cfg.run) / f"lora_{cfg.format}_step{step}.safetensors")
-        EXPORTERS[cfg.format](nnx.merge(graphdef, state.params, frozen.base), str(path))
+        EXPORTERS[cfg.format](nnx.merge(graphdef, student_params(state), frozen.base), str(path))
     return path
 
 

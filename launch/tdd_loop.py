@@ -39,13 +39,16 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncond: Unconditional,
                 data: DistillBatch, mesh: Mesh, *, steps: int, batch_size: int, seed: int, out: Path,
                 checkpoint_every: int | None, description: str = "distil",
-                max_consecutive_non_finite: int = 5) -> tuple[DistillState, dict[str, float]]:
+                max_consecutive_non_finite: int = 5,
+                non_finite_keys: tuple[str, ...] = ("numerics/consecutive_non_finite",)) -> tuple[Any, dict[str, float]]:
     """Runs ``step`` until ``steps`` (resuming from ``out/checkpoints``); ``checkpoint_every=None``: no checkpoints.
 
-    Returns the final state and the last metric row. Raises ``NonFiniteError`` after
-    ``max_consecutive_non_finite`` consecutive skipped steps, having saved the unchanged state.
+    ``state`` is a ``DistillState`` or any pytree the step carries (TDD-adv: ``AdversarialState``, whose
+    discriminator is checkpointed with it). Returns the final state and the last metric row. Raises
+    ``NonFiniteError`` after ``max_consecutive_non_finite`` consecutive skipped steps counted by any of
+    ``non_finite_keys``, having saved the unchanged state.
     """
-    guard = NonFiniteGuard(max_consecutive_non_finite)
+    guard = NonFiniteGuard(max_consecutive_non_finite, non_finite_keys)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", max_to_keep=2) if checkpoint_every is not None else None
     start, position = 0, 0

@@ -2,9 +2,11 @@
 
 An addition to the plain distillation step (``tdd_jax.distill``), which it leaves unchanged:
 
-* discriminator = the frozen teacher UNet's encoder (outputs of every down block and of the mid
-  block, LoRA off) followed by one trainable head per feature map: ``Conv1×1 → GroupNorm →
-  LeakyReLU``, a residual ``(Conv1×1 → GroupNorm → LeakyReLU) + x``, ``Conv1×1 → 1``;
+* discriminator = the frozen teacher UNet (LoRA off): the outputs of every down block and of the mid
+  block (SDXL reference, ``pcm_discriminator_sdxl.py``: 4 heads), plus every up block's
+  (``up_blocks=True``, SD1.5 reference ``pcm_discriminator_sd15.py``: 9 heads), each followed by one
+  trainable head: ``Conv1×1 → GroupNorm → LeakyReLU``, a residual ``(Conv1×1 → GroupNorm → LeakyReLU) + x``,
+  ``Conv1×1 → 1``;
 * both the student's prediction (fake) and the target (real) travel from s to a GAN timestep
   ``t_gan ~ U_int[s, min(s + T // K_min, T))`` with fresh noise (``renoise``, the reference's
   ``noise_travel``), and the discriminator sees them at t_gan with the student's caption;
@@ -13,18 +15,20 @@ An addition to the plain distillation step (``tdd_jax.distill``), which it leave
   ``L_G = Σ_h mean(relu(1 − D_h(fake))) / H``;
 * training alternates: ``discriminator_step`` on even global steps (AdamW(1e-5, β = (0, 0.999),
   wd 1e-3), clip 1.0), ``generator_step`` on odd ones (consistency loss + ``adv_weight``·L_G, the
-  student's optimiser). The caller's loop alternates them. Both optimisers skip and count non-finite
+  student's optimiser). ``make_alternating_step`` alternates them as one step for the distillation
+  loop (``launch.tdd_loop``), on the combined ``AdversarialState``. Both optimisers skip and count non-finite
   updates (``runtime.guards.skip_non_finite``): ``numerics/*`` for the student, ``numerics/d_*`` for the heads.
 
 The adversarial steps take the whole batch at once (``num_microbatches`` 1) and target the online
-student (no EMA), as the reference does. Randomness: the step key is split as in the plain step, so
-both draw the same ``DistillSample``; the GAN draws use ``fold_in(key, 1)``.
+student (no EMA), as the reference does. The teacher's DDIM step, the target and the student's
+prediction are ``tdd_jax.distill``'s. Randomness: the step key is split as in the plain step, so both
+draw the same ``DistillSample`` and latent; the GAN draws use ``fold_in(key, 1)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,18 +37,20 @@ from flax import nnx
 
 from runtime.guards import non_finite_metrics, skip_non_finite
 from tdd_jax.distill import (DistillBatch, DistillConfig, DistillState, FrozenParams, Unconditional,
-                             draw_distill_sample, l2_loss, make_optimizer, pseudo_huber_loss, teacher_ddim_step)
+                             consistency_loss, consistency_target, draw_distill_sample, draw_latents, make_optimizer,
+                             student_prediction)
 from tdd_jax.models.layers import Conv, GroupNorm
 from tdd_jax.models.unet import UNet2DConditionModel
 from tdd_jax.sampler import Conditioning, module_eps_fn
-from tdd_jax.schedules import TDDSchedule, add_noise, consistency_jump, renoise
+from tdd_jax.schedules import TDDSchedule, renoise
 from tdd_jax.targets import make_selector
 
 
 @dataclasses.dataclass(frozen=True)
 class AdversarialConfig:
     """Reference TDD-adv settings (spec §10): generator weight ``adv_weight``, the discriminator's AdamW
-    and clipping, and ``head_groups``, the GroupNorm groups of the heads (32 in the reference)."""
+    and clipping, ``head_groups``, the GroupNorm groups of the heads (32 in the reference), and
+    ``up_blocks``: heads on the up blocks too (SD1.5 reference) or on down and mid blocks only (SDXL)."""
 
     adv_weight: float = 0.1
     learning_rate: float = 1e-5
@@ -53,6 +59,7 @@ class AdversarialConfig:
     weight_decay: float = 1e-3
     max_grad_norm: float = 1.0
     head_groups: int = 32
+    up_blocks: bool = False
 
     def __post_init__(self):
         for field in ("adv_weight", "weight_decay"):
@@ -88,13 +95,16 @@ class DiscriminatorHead(nnx.Module):
 
 
 class DiscriminatorHeads(nnx.Module):
-    """One head per teacher feature map: each down block's output, then the mid block's.
+    """One head per teacher feature map: each down block's output, the mid block's, then (``up_blocks``)
+    each up block's.
 
     Build it under ``nnx.use_eager_sharding(False)`` (or with ``runtime.sharding.create_sharded``).
     """
 
-    def __init__(self, unet_cfg, groups: int = 32, *, rngs: nnx.Rngs):
+    def __init__(self, unet_cfg, groups: int = 32, up_blocks: bool = False, *, rngs: nnx.Rngs):
         channels = list(unet_cfg.block_out_channels) + ([unet_cfg.block_out_channels[-1]] if unet_cfg.mid_block else [])
+        if up_blocks:
+            channels += list(unet_cfg.block_out_channels[::-1])
         self.heads = nnx.List([DiscriminatorHead(c, groups, rngs=rngs) for c in channels])
 
     def __call__(self, features: Sequence[jax.Array]) -> list[jax.Array]:
@@ -103,15 +113,12 @@ class DiscriminatorHeads(nnx.Module):
         return [head(f.astype(jnp.float32)) for head, f in zip(self.heads, features)]
 
 
-def teacher_features(unet: UNet2DConditionModel, x: jax.Array, t: jax.Array, cond: Conditioning) -> list[jax.Array]:
-    """Encoder features of the frozen UNet (LoRA off): every down block's output, then the mid block's."""
-    temb = unet.time_conditioning(t, x.shape[0], cond.added, 0.0)
-    h = unet.conv_in(x, 0.0)
-    features = []
-    for block in [*unet.down_blocks, *([unet.mid_block] if unet.mid_block is not None else [])]:
-        h, _ = block(h, temb, cond.context, [], 0.0)
-        features.append(h)
-    return features
+def teacher_features(unet: UNet2DConditionModel, x: jax.Array, t: jax.Array, cond: Conditioning,
+                     up_blocks: bool = False) -> list[jax.Array]:
+    """Features of the frozen UNet (LoRA off): every down block's output, the mid block's, then (``up_blocks``)
+    every up block's. Unused up blocks cost nothing under ``jit`` (dead code)."""
+    outputs = unet.block_outputs(x, t, cond.context, cond.added, lora_scale=0.0)
+    return outputs if up_blocks else outputs[:len(unet.down_blocks) + (unet.mid_block is not None)]
 
 
 def hinge_discriminator_loss(fake: Sequence[jax.Array], real: Sequence[jax.Array]) -> jax.Array:
@@ -152,6 +159,41 @@ def init_discriminator_state(params: Any, config: AdversarialConfig) -> Discrimi
     return DiscriminatorState(params, jax.jit(config.optimizer().init)(params))
 
 
+def discriminator_numerics(opt_state: optax.OptState) -> dict[str, jax.Array]:
+    """The heads' optimiser's skip counters, as ``numerics/d_*``."""
+    return {name.replace("/", "/d_"): value for name, value in non_finite_metrics(opt_state).items()}
+
+
+NON_FINITE_KEYS = ("numerics/consecutive_non_finite", "numerics/d_consecutive_non_finite")
+
+
+class AdversarialState(NamedTuple):
+    """What a TDD-adv run checkpoints: the student's state, the heads' and ``step``, the reference's
+    ``global_step`` (discriminator and student updates together; even: discriminator)."""
+
+    student: DistillState
+    disc: DiscriminatorState
+    step: jax.Array
+
+
+def alternating_steps(discriminator_step: Callable, generator_step: Callable) -> tuple[Callable, Callable]:
+    """The two steps of ``make_adversarial_steps`` on ``AdversarialState``, each advancing ``step``."""
+    def on_state(inner):
+        def step(state: AdversarialState, frozen: FrozenParams, uncond: Unconditional, batch: DistillBatch):
+            student, disc, metrics = inner(state.student, state.disc, frozen, uncond, batch)
+            return AdversarialState(student, disc, state.step + 1), metrics
+        return step
+
+    return on_state(discriminator_step), on_state(generator_step)
+
+
+def alternate(discriminator_step: Callable, generator_step: Callable) -> Callable:
+    """One loop step: the (compiled) discriminator step on even ``state.step``, the generator step on odd."""
+    def step(state: AdversarialState, *args):
+        return (generator_step if int(state.step) % 2 else discriminator_step)(state, *args)
+    return step
+
+
 def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef, schedule: TDDSchedule,
                            config: DistillConfig, adv: AdversarialConfig):
     """``(discriminator_step, generator_step)``, each ``(state, disc, frozen, uncond, batch) -> (state, disc, m)``.
@@ -176,18 +218,16 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
         gan = GanDraws(gan_timesteps(k_t, sample.s, num_train, k_min), jax.random.normal(k_real, shape),
                        jax.random.normal(k_fake, shape))
         model = nnx.merge(graphdef, state.params, frozen.base)
-        x_start = add_noise(batch.latents.astype(jnp.float32), sample.noise, abar[sample.t_start])
-        x_n = teacher_ddim_step(module_eps_fn(model, 0.0), x_start, sample, uncond.teacher, abar)
-        eps_n = module_eps_fn(model)(x_n, sample.t_n, sample.cond).astype(jnp.float32)
-        target = jax.lax.stop_gradient(consistency_jump(x_n, eps_n, abar[sample.t_n], abar[sample.s]))
+        x_start, target = consistency_target(module_eps_fn(model), module_eps_fn(model, 0.0), draw_latents(key, batch),
+                                             sample, uncond.teacher, abar)
         return rng, sample, gan, x_start, target
 
     def prediction(params, base, sample, x_start):
-        eps = module_eps_fn(nnx.merge(graphdef, params, base))(x_start, sample.t_start, sample.cond)
-        return consistency_jump(x_start, eps.astype(jnp.float32), abar[sample.t_start], abar[sample.s])
+        return student_prediction(module_eps_fn(nnx.merge(graphdef, params, base)), x_start, sample, abar)
 
     def logits(heads, params, base, x, gan, cond):
-        return nnx.merge(heads_graphdef, heads)(teacher_features(nnx.merge(graphdef, params, base), x, gan.t, cond))
+        features = teacher_features(nnx.merge(graphdef, params, base), x, gan.t, cond, adv.up_blocks)
+        return nnx.merge(heads_graphdef, heads)(features)
 
     def travel(x, z, sample, gan):
         return renoise(x, z, abar[sample.s], abar[gan.t])
@@ -205,8 +245,8 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
 
         d_loss, grads = jax.value_and_grad(loss_fn)(disc.params)
         updates, opt_state = tx_d.update(grads, disc.opt_state, disc.params)
-        metrics = {"d_loss": d_loss, "d_grad_norm": optax.tree.norm(grads),
-                   **{name.replace("/", "/d_"): value for name, value in non_finite_metrics(opt_state).items()}}
+        metrics = {"d_loss": d_loss, "d_grad_norm": optax.tree.norm(grads), **non_finite_metrics(state.opt_state),
+                   **discriminator_numerics(opt_state)}
         disc = DiscriminatorState(optax.apply_updates(disc.params, updates), opt_state)
         return state._replace(rng=rng), disc, metrics
 
@@ -216,8 +256,7 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
 
         def loss_fn(params):
             pred = prediction(params, frozen.base, sample, x_start)
-            cm = (pseudo_huber_loss(pred, target, config.huber_c) if config.loss_type == "huber"
-                  else l2_loss(pred, target))
+            cm = consistency_loss(pred, target, config)
             fake = travel(pred, gan.z_fake, sample, gan)
             g_loss = hinge_generator_loss(logits(disc.params, params, frozen.base, fake, gan, sample.cond))
             return cm + adv.adv_weight * g_loss, (cm, g_loss)
@@ -226,7 +265,7 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "loss_cm": cm, "g_loss": g_loss, "grad_norm": optax.tree.norm(grads),
-                   **non_finite_metrics(opt_state)}
+                   **non_finite_metrics(opt_state), **discriminator_numerics(disc.opt_state)}
         return DistillState(params, opt_state, state.step + 1, rng, None), disc, metrics
 
     return discriminator_step, generator_step

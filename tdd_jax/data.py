@@ -11,6 +11,9 @@ file or shard member.
 
 ``build_cache`` runs the encoders once over the data (with a progress bar) and writes ``.npz``
 shards; ``load_cache`` and ``cache_batches`` feed ``tdd_jax.distill.DistillBatch``es from them.
+Augmentation stays fresh without re-encoding: the cache keeps each crop's VAE posterior (mean and
+log-variance), from which every step draws a new latent, and optionally K crops per image, of which
+every visit (epoch) shows one at random.
 ``latents_to_png`` goes the other way, from sampled latents through a decoder to a PNG grid.
 The encoders are plain callables, so any VAE / text encoder (or the demo's label encoder) plugs in.
 """
@@ -33,6 +36,7 @@ from tdd_jax.sampler import Conditioning
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 EMPTY_PROMPT_FILE = "empty_prompt.npz"
+LATENT_SAMPLING = ("sample", "mean")
 
 
 class ImageCaption(NamedTuple):
@@ -172,7 +176,7 @@ def latents_to_png(decode: Callable[[np.ndarray], np.ndarray], latents: np.ndarr
     save_image_grid(np.asarray(decode(latents)), path, columns)
 
 
-ImageEncoder = Callable[[np.ndarray], np.ndarray]
+ImageEncoder = Callable[[np.ndarray], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 TextEncoder = Callable[[list[str]], Conditioning]
 
 
@@ -189,21 +193,29 @@ def _batched(items: Iterable, size: int) -> Iterator[list]:
 
 def build_cache(examples: Iterable[ImageCaption], encode_images: ImageEncoder, encode_text: TextEncoder,
                 out_dir: str | os.PathLike, resolution: int, batch_size: int = 8, seed: int = 0,
-                random_flip: bool = False, use_fix_crop_and_size: bool = True, total: int | None = None) -> int:
+                random_flip: bool = False, use_fix_crop_and_size: bool = True, total: int | None = None,
+                crops_per_image: int = 1) -> int:
     """Encodes every example once and writes ``shard_#####.npz`` files plus the encoded empty prompt.
 
     Args:
       examples: e.g. ``iter_source(path)``.
-      encode_images: (B, H, W, 3) pixels in [−1, 1] → latents (B, h, w, c), already scaled by the VAE factor.
+      encode_images: (B, H, W, 3) pixels in [−1, 1] → latents (B, h, w, c), already scaled by the VAE factor,
+        or the VAE posterior of the scaled latents as ``(mean, logvar)`` (``vae.scale_posterior(vae.encode(x))``);
+        a posterior is cached as ``latents`` (its mean) and ``latents_logvar``, and each step draws from it.
       encode_text: captions → ``Conditioning`` of NumPy arrays; ``time_ids`` are added here.
       out_dir: cache folder (created).
       total: number of examples, for the progress bar only.
+      crops_per_image: K random crops (and flips) per image, each encoded; with K > 1 the crop-dependent
+        arrays (``latents``, ``latents_logvar``, ``time_ids``) get a crop axis after the batch axis and
+        ``cache_batches`` draws one crop per visit.
 
     Returns:
       The number of cached examples.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if crops_per_image < 1:
+        raise ValueError(f"crops_per_image must be positive, got {crops_per_image}")
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(seed)
     count = 0
@@ -214,11 +226,20 @@ def build_cache(examples: Iterable[ImageCaption], encode_images: ImageEncoder, e
             for ex in batch:
                 if not isinstance(ex.caption, str):
                     raise TypeError(f"example {ex.key!r}: the caption must be str, got {type(ex.caption).__name__}")
-            crops = [preprocess(ex.image, resolution, rng, random_flip, use_fix_crop_and_size) for ex in batch]
-            latents = np.asarray(encode_images(np.stack([c.pixels for c in crops])), np.float32)
+            crops, encoded = [], []
+            for _ in range(crops_per_image):
+                crops.append([preprocess(ex.image, resolution, rng, random_flip, use_fix_crop_and_size)
+                              for ex in batch])
+                encoded.append(encode_images(np.stack([c.pixels for c in crops[-1]])))
+            stack = (lambda xs: np.stack(xs, axis=1)) if crops_per_image > 1 else (lambda xs: xs[0])
+            arrays = {"time_ids": stack([np.stack([c.time_ids for c in cs]) for cs in crops])}
+            if isinstance(encoded[0], tuple):
+                arrays["latents"] = stack([np.asarray(e[0], np.float32) for e in encoded])
+                arrays["latents_logvar"] = stack([np.asarray(e[1], np.float32) for e in encoded])
+            else:
+                arrays["latents"] = stack([np.asarray(e, np.float32) for e in encoded])
             cond = encode_text([ex.caption for ex in batch])
-            arrays = {"latents": latents, "context": np.asarray(cond.context),
-                      "time_ids": np.stack([c.time_ids for c in crops])}
+            arrays["context"] = np.asarray(cond.context)
             arrays.update({f"added.{k}": np.asarray(v) for k, v in (cond.added or {}).items()})
             np.savez(os.path.join(out_dir, f"shard_{index:05d}.npz"), **arrays)
             count += len(batch)
@@ -236,11 +257,15 @@ def _conditioning(arrays: dict[str, np.ndarray], time_ids: np.ndarray | None) ->
     return Conditioning(arrays["context"], added or None)
 
 
-def load_cache(cache_dir: str | os.PathLike) -> tuple[DistillBatch, Conditioning]:
+def load_cache(cache_dir: str | os.PathLike, latent_sampling: str = "sample") -> tuple[DistillBatch, Conditioning]:
     """All cached examples as one ``DistillBatch`` of NumPy arrays, and the encoded empty prompt (batch 1).
 
     ``time_ids`` are part of the conditioning only when the text encoder produced added conditioning (SDXL).
+    A cached posterior is kept for sampling in the step (``latent_sampling="sample"``, the reference's
+    ``latent_dist.sample()``) or dropped for its mean (``"mean"``, spec decision 14).
     """
+    if latent_sampling not in LATENT_SAMPLING:
+        raise ValueError(f"latent_sampling must be one of {LATENT_SAMPLING}, got {latent_sampling!r}")
     cache_dir = os.fspath(cache_dir)
     names = sorted(n for n in os.listdir(cache_dir) if n.startswith("shard_") and n.endswith(".npz"))
     if not names:
@@ -248,24 +273,47 @@ def load_cache(cache_dir: str | os.PathLike) -> tuple[DistillBatch, Conditioning
     shards = [dict(np.load(os.path.join(cache_dir, n))) for n in names]
     arrays = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
     empty = dict(np.load(os.path.join(cache_dir, EMPTY_PROMPT_FILE)))
-    return DistillBatch(arrays["latents"], _conditioning(arrays, arrays["time_ids"])), _conditioning(empty, None)
+    logvar = arrays.get("latents_logvar") if latent_sampling == "sample" else None
+    return (DistillBatch(arrays["latents"], _conditioning(arrays, arrays["time_ids"]), logvar),
+            _conditioning(empty, None))
+
+
+def num_crops(data: DistillBatch) -> int | None:
+    """K of a cache with K crops per image (latents (N, K, h, w, c)); None for one crop (latents (N, h, w, c))."""
+    return data.latents.shape[1] if data.latents.ndim == 5 else None
+
+
+def take(data: DistillBatch, rows: np.ndarray, crops: np.ndarray | None) -> DistillBatch:
+    """Rows ``rows`` of ``data``; with a crop axis, crop ``crops[i]`` of row ``rows[i]``."""
+    if crops is None:
+        return jax.tree.map(lambda x: x[rows], data)
+    pick = lambda x: None if x is None else x[rows, crops]
+    added = data.cond.added and {k: pick(v) if k == "time_ids" else v[rows] for k, v in data.cond.added.items()}
+    return DistillBatch(pick(data.latents), Conditioning(data.cond.context[rows], added), pick(data.latents_logvar))
 
 
 def cache_batches(data: DistillBatch, batch_size: int, seed: int = 0, start: int = 0) -> Iterator[DistillBatch]:
     """Endless shuffled batches (a fresh permutation each epoch; the last partial batch is dropped).
 
-    ``start`` skips that many batches without materialising them, so a resumed run continues the stream.
+    With K crops per image each epoch also draws which crop every image shows. ``start`` skips that many
+    batches without materialising them, so a resumed run continues the stream.
     """
-    n = data.latents.shape[0]
+    n, k = data.latents.shape[0], num_crops(data)
     if not 1 <= batch_size <= n:
         raise ValueError(f"batch_size must be in [1, {n}] for a cache of {n} examples, got {batch_size}")
     rng = np.random.default_rng(seed)
     per_epoch = n // batch_size
+
+    def epoch() -> tuple[np.ndarray, np.ndarray | None]:
+        order = rng.permutation(n)
+        return order, (None if k is None else rng.integers(0, k, n))
+
     for _ in range(start // per_epoch):
-        rng.permutation(n)
+        epoch()
     skip = start % per_epoch
     while True:
-        order = rng.permutation(n)
+        order, crops = epoch()
         for index in range(skip, per_epoch):
-            yield jax.tree.map(lambda x: x[order[index * batch_size:(index + 1) * batch_size]], data)
+            rows = slice(index * batch_size, (index + 1) * batch_size)
+            yield take(data, order[rows], None if crops is None else crops[rows])
         skip = 0

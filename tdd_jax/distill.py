@@ -18,7 +18,8 @@ the same module run with ``lora_scale=0`` (adapters off) or, for full fine-tunin
 with a frozen copy of the initial parameters.
 
 Randomness: one key per step from ``state.rng``, split into (caption replacement, source index,
-target timestep, noise, guidance scale). All draws are made for the whole batch before the
+target timestep, noise, guidance scale); the latent drawn from a cached VAE posterior uses
+``fold_in(key, 2)``. All draws are made for the whole batch before the
 micro-batch loop, so the result does not depend on ``num_microbatches``.
 """
 
@@ -109,10 +110,15 @@ class DistillConfig:
 
 
 class DistillBatch(NamedTuple):
-    """VAE latents (already multiplied by the scaling factor), NHWC, and their caption embeddings."""
+    """VAE latents (already multiplied by the scaling factor), NHWC, and their caption embeddings.
+
+    With ``latents_logvar`` the latents are the mean of the VAE posterior (of the scaled latents) and
+    every step draws ``latents + exp(logvar / 2)·ε`` (the reference's ``latent_dist.sample()``).
+    """
 
     latents: jax.Array
     cond: Conditioning
+    latents_logvar: jax.Array | None = None
 
 
 class Unconditional(NamedTuple):
@@ -191,6 +197,15 @@ def draw_distill_sample(key: jax.Array, batch: DistillBatch, empty_prompt: Condi
     )
 
 
+def draw_latents(key: jax.Array, batch: DistillBatch) -> jax.Array:
+    """The step's x0: a fresh draw from the cached posterior, or the cached latents themselves."""
+    latents = batch.latents.astype(jnp.float32)
+    if batch.latents_logvar is None:
+        return latents
+    return latents + jnp.exp(0.5 * batch.latents_logvar.astype(jnp.float32)) * jax.random.normal(
+        jax.random.fold_in(key, 2), latents.shape, jnp.float32)
+
+
 def teacher_ddim_step(teacher_eps: Callable, x_start: jax.Array, sample: DistillSample, teacher_uncond: Conditioning,
                       alphas_cumprod: jax.Array) -> jax.Array:
     """x_{t_n} from one guided teacher DDIM step (spec §4 step 9; CFG scale 1 + w, LCM form)."""
@@ -199,6 +214,30 @@ def teacher_ddim_step(teacher_eps: Callable, x_start: jax.Array, sample: Distill
     eps = guided_eps(teacher_eps, x_start, sample.t_start, sample.cond, uncond, scale).astype(jnp.float32)
     x0 = predicted_origin(x_start, eps, alphas_cumprod[sample.t_start])
     return ddim_jump(x0, eps, alphas_cumprod[sample.t_n])
+
+
+def consistency_target(student_eps: Callable, teacher_eps: Callable, latents: jax.Array, sample: DistillSample,
+                       teacher_uncond: Conditioning, alphas_cumprod: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x_{t_{n+k}}`` and the target ``sg(f(x_{t_n}, t_n, s))`` of the target network (spec §4 steps 7-10)."""
+    abar = alphas_cumprod
+    x_start = add_noise(latents, sample.noise, abar[sample.t_start])
+    x_n = teacher_ddim_step(teacher_eps, x_start, sample, teacher_uncond, abar)
+    eps_n = student_eps(x_n, sample.t_n, sample.cond).astype(jnp.float32)
+    return x_start, jax.lax.stop_gradient(consistency_jump(x_n, eps_n, abar[sample.t_n], abar[sample.s]))
+
+
+def student_prediction(student_eps: Callable, x_start: jax.Array, sample: DistillSample,
+                       alphas_cumprod: jax.Array) -> jax.Array:
+    """The online prediction ``f(x_{t_{n+k}}, t_{n+k}, s)``."""
+    eps = student_eps(x_start, sample.t_start, sample.cond).astype(jnp.float32)
+    return consistency_jump(x_start, eps, alphas_cumprod[sample.t_start], alphas_cumprod[sample.s])
+
+
+def consistency_loss(pred: jax.Array, target: jax.Array, config: DistillConfig) -> jax.Array:
+    """Pseudo-Huber (``huber_c``) or L2, as ``config.loss_type`` says."""
+    if config.loss_type == "huber":
+        return pseudo_huber_loss(pred, target, config.huber_c)
+    return l2_loss(pred, target)
 
 
 def make_optimizer(config: DistillConfig) -> optax.GradientTransformation:
@@ -241,21 +280,15 @@ def make_distill_step(graphdef: nnx.GraphDef, schedule: TDDSchedule, config: Dis
         return module_eps_fn(nnx.merge(graphdef, params, base), lora_scale)
 
     def loss_fn(params, base, sample, x_start, target):
-        eps = eps_fn(params, base)(x_start, sample.t_start, sample.cond).astype(jnp.float32)
-        pred = consistency_jump(x_start, eps, abar[sample.t_start], abar[sample.s])
-        if config.loss_type == "huber":
-            return pseudo_huber_loss(pred, target, config.huber_c)
-        return l2_loss(pred, target)
+        return consistency_loss(student_prediction(eps_fn(params, base), x_start, sample, abar), target, config)
 
     def microbatch(params, target_params, frozen, teacher_uncond, latents, sample):
         if frozen.teacher is None:
             teacher = eps_fn(params, frozen.base, lora_scale=0.0)
         else:
             teacher = eps_fn(frozen.teacher, frozen.base)
-        x_start = add_noise(latents.astype(jnp.float32), sample.noise, abar[sample.t_start])
-        x_n = teacher_ddim_step(teacher, x_start, sample, teacher_uncond, abar)
-        eps_n = eps_fn(target_params, frozen.base)(x_n, sample.t_n, sample.cond).astype(jnp.float32)
-        target = jax.lax.stop_gradient(consistency_jump(x_n, eps_n, abar[sample.t_n], abar[sample.s]))
+        x_start, target = consistency_target(eps_fn(target_params, frozen.base), teacher, latents, sample,
+                                             teacher_uncond, abar)
         return jax.value_and_grad(loss_fn)(params, frozen.base, sample, x_start, target)
 
     def step(state: DistillState, frozen: FrozenParams, uncond: Unconditional, batch: DistillBatch):
@@ -264,6 +297,7 @@ def make_distill_step(graphdef: nnx.GraphDef, schedule: TDDSchedule, config: Dis
             raise ValueError(f"DistillConfig.num_microbatches={m} must divide the batch size {b}")
         rng, key = jax.random.split(state.rng)
         sample = draw_distill_sample(key, batch, uncond.student, schedule, select, config)
+        latents = draw_latents(key, batch)
         target_params = state.params if state.ema_params is None else state.ema_params
         # micro-batch j takes rows j::m, so every micro-batch spans all batch shards
         split = lambda x: jnp.swapaxes(x.reshape((b // m, m) + x.shape[1:]), 0, 1)
@@ -273,7 +307,7 @@ def make_distill_step(graphdef: nnx.GraphDef, schedule: TDDSchedule, config: Dis
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-        (loss, grads), _ = scan_micro_batches(accumulate, zero, jax.tree.map(split, (batch.latents, sample)))
+        (loss, grads), _ = scan_micro_batches(accumulate, zero, jax.tree.map(split, (latents, sample)))
         loss, grads = jax.tree.map(lambda g: g / m, (loss, grads))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

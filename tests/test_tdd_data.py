@@ -115,3 +115,41 @@ def test_cache_batches_started_at_a_position_continue_the_same_stream():
         resumed = cache_batches(data, batch_size=2, seed=3, start=start)
         for batch in expected[start:]:
             np.testing.assert_array_equal(next(resumed).latents[:, 0], batch)
+
+
+def test_k_crops_of_posteriors_one_shown_per_visit(folder, tmp_path):
+    """K = 3 crops (random flips too) per image, each with its posterior; each epoch picks one per image."""
+    encode = lambda pixels: (encode_images(pixels), np.full(encode_images(pixels).shape, -1.0, np.float32))
+    cache = tmp_path / "cache"
+    build_cache(iter_folder(folder), encode, encode_text, cache, resolution=8, batch_size=4, seed=2,
+                random_flip=True, use_fix_crop_and_size=False, crops_per_image=3)
+    data, _ = load_cache(cache)
+    rng = np.random.default_rng(2)
+    examples = list(iter_folder(folder))
+    crops = [[preprocess(e.image, 8, rng, random_flip=True) for e in examples] for _ in range(3)]  # crop-major
+    expected = np.stack([encode_images(np.stack([c.pixels for c in cs])) for cs in crops], axis=1)
+    np.testing.assert_allclose(data.latents, expected, atol=1e-6)
+    assert data.latents.shape == (4, 3, 4, 4, 2) and np.all(data.latents_logvar == -1.0)
+    np.testing.assert_array_equal(data.cond.added["time_ids"], np.stack([[c.time_ids for c in cs] for cs in crops], 1))
+    assert load_cache(cache, latent_sampling="mean")[0].latents_logvar is None
+    with pytest.raises(ValueError, match="latent_sampling"):
+        load_cache(cache, latent_sampling="mode")
+    stream = cache_batches(data, batch_size=4, seed=0)
+    shown = set()
+    for _ in range(30):  # one batch is one epoch here
+        batch = next(stream)
+        assert batch.latents.shape == (4, 4, 4, 2) and batch.cond.added["time_ids"].shape == (4, 6)
+        images = []
+        for row, latents in enumerate(batch.latents):
+            matches = [(i, j) for i in range(4) for j in range(3) if np.array_equal(latents, data.latents[i, j])]
+            (i, j), images = matches[0], images + [matches[0][0]]
+            np.testing.assert_array_equal(batch.cond.added["time_ids"][row], data.cond.added["time_ids"][i, j])
+            np.testing.assert_array_equal(batch.cond.context[row], data.cond.context[i])
+            shown.update(matches)
+        assert sorted(images) == [0, 1, 2, 3]  # every image once per epoch
+    assert len(shown) == 12  # and each of its crops within 30 epochs
+    resumed = cache_batches(data, batch_size=4, seed=0, start=5)
+    replay = cache_batches(data, batch_size=4, seed=0)
+    for _ in range(5):
+        next(replay)
+    np.testing.assert_array_equal(next(resumed).latents, next(replay).latents)

@@ -13,7 +13,7 @@ from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_batch
 from tdd_jax import schedules as sch
 from tdd_jax.distill import (DistillBatch, DistillConfig, DistillSample, Unconditional, compile_distill_step,
-                             draw_distill_sample, init_distill_state, l2_loss, make_distill_step,
+                             draw_distill_sample, draw_latents, init_distill_state, l2_loss, make_distill_step,
                              pseudo_huber_loss, split_model, teacher_ddim_step, unconditional_embedding)
 from tdd_jax.sampler import Conditioning, module_eps_fn, replace_conditioning
 from tdd_jax.targets import make_selector
@@ -217,3 +217,25 @@ def test_non_finite_steps_leave_params_moments_and_ema_unchanged():
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(trainable(s4)))
     jax.tree.map(lambda e, a, b: np.testing.assert_allclose(e, 0.9 * a + 0.1 * b, rtol=1e-6, atol=1e-7),
                  s4.ema_params, s3.ema_params, s4.params)
+
+
+def test_latents_are_drawn_from_the_cached_posterior_in_every_step():
+    batch, uncond = make_inputs()
+    logvar = np.log(np.linspace(0.25, 4.0, batch.latents.size, dtype=np.float32)).reshape(batch.latents.shape)
+    posterior = batch._replace(latents_logvar=logvar)
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(draw_latents(key, batch), batch.latents)  # fixed latents: no draw
+    draws = np.asarray(jax.vmap(lambda k: draw_latents(k, posterior))(jax.random.split(key, 4000)))
+    std = np.exp(logvar / 2)
+    assert np.all(np.abs(draws.mean(0) - batch.latents) < 5 * std / np.sqrt(4000))
+    np.testing.assert_allclose(draws.std(0), std, rtol=0.1)
+    # the step uses the draw: a near-zero variance is the fixed-latent step, a unit one is not
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        graphdef, params, frozen = split_model(build_tiny_eps_net(mesh=mesh), True)
+        step = jax.jit(make_distill_step(graphdef, SCHEDULE, CONFIG))
+        state = init_distill_state(params, CONFIG, jax.random.key(42), mesh)
+        loss = lambda b: float(step(state, frozen, uncond, b)[1]["loss"])
+        fixed = loss(batch)
+        np.testing.assert_allclose(loss(batch._replace(latents_logvar=np.full_like(logvar, -30.0))), fixed, rtol=1e-5)
+        assert abs(loss(batch._replace(latents_logvar=np.zeros_like(logvar))) - fixed) > 1e-3 * abs(fixed)

@@ -249,6 +249,13 @@ class UNet2DConditionModel(nnx.Module):
 
     def __call__(self, sample: jax.Array, timesteps: jax.Array, encoder_hidden_states: jax.Array,
                  added_cond_kwargs: Mapping[str, jax.Array] | None = None, *, lora_scale: float = 1.0) -> jax.Array:
+        h = self.block_outputs(sample, timesteps, encoder_hidden_states, added_cond_kwargs, lora_scale=lora_scale)[-1]
+        return self.conv_out(jax.nn.silu(self.conv_norm_out(h)), lora_scale).astype(sample.dtype)
+
+    def block_outputs(self, sample: jax.Array, timesteps: jax.Array, encoder_hidden_states: jax.Array,
+                      added_cond_kwargs: Mapping[str, jax.Array] | None = None, *,
+                      lora_scale: float = 1.0) -> list[jax.Array]:
+        """The output of every down block, of the mid block and of every up block, in that order."""
         cfg = self.cfg
         factor = 2 ** (len(cfg.block_out_channels) - 1)
         if sample.ndim != 4 or sample.shape[1] % factor or sample.shape[2] % factor:
@@ -263,15 +270,17 @@ class UNet2DConditionModel(nnx.Module):
 
         run = nnx.remat(run) if cfg.remat else run
         h = self.conv_in(sample, lora_scale)
-        skips = [h]
+        skips, outputs = [h], []
         for block in self.down_blocks:
-            h, outputs = run(block, h, [])
-            skips.extend(outputs)
+            h, block_skips = run(block, h, [])
+            skips.extend(block_skips)
+            outputs.append(h)
         if self.mid_block is not None:
             h, _ = run(self.mid_block, h, [])
+            outputs.append(h)
         for block in self.up_blocks:
             n = len(block.resnets)
             h, _ = run(block, h, skips[-n:])
             skips = skips[:-n]
-        h = self.conv_out(jax.nn.silu(self.conv_norm_out(h)), lora_scale)
-        return h.astype(sample.dtype)
+            outputs.append(h)
+        return outputs

@@ -12,6 +12,7 @@ from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tdd_jax.models.attention import multi_head_attention
@@ -176,6 +177,11 @@ class AutoencoderKL(nnx.Module):
     def scale_latents(self, latents: jax.Array) -> jax.Array:
         """What the UNet sees: ``(z - shift_factor) * scaling_factor``."""
         return (latents - self.cfg.shift_factor) * self.cfg.scaling_factor
+
+    def scale_posterior(self, posterior: DiagonalGaussian) -> DiagonalGaussian:
+        """The posterior of the scaled latents: ``N((mean − shift)·f, f²·exp(logvar))``, f the scaling factor."""
+        return DiagonalGaussian(self.scale_latents(posterior.mean),
+                                posterior.logvar + 2.0 * float(np.log(self.cfg.scaling_factor)))
 
     def unscale_latents(self, latents: jax.Array) -> jax.Array:
         """Inverse of ``scale_latents``."""

@@ -37,9 +37,9 @@ from PIL import Image
 from launch.tdd_loop import distil_loop
 from runtime.checkpoint import Checkpointer
 from runtime.config import parse_config
-from runtime.mesh import MeshConfig, make_mesh, replicated
-from tdd_jax.adversarial import (NON_FINITE_KEYS, AdversarialConfig, AdversarialState, DiscriminatorHeads, alternate,
-                                 alternating_steps, init_discriminator_state, make_adversarial_steps)
+from runtime.mesh import MeshConfig, make_mesh
+from tdd_jax.adversarial import (NON_FINITE_KEYS, AdversarialConfig, AdversarialState, compile_adversarial_step,
+                                 init_adversarial_state)
 from tdd_jax.data import LATENT_SAMPLING, build_cache, cache_batches, iter_source, load_cache, save_image_grid, to_uint8
 from tdd_jax.distill import (DistillConfig, Unconditional, compile_distill_step, init_distill_state,
                              make_distill_step, split_model, unconditional_embedding)
@@ -241,12 +241,8 @@ def build_student(cfg: DistilRunConfig, mesh):
     abar = alphas_cumprod_from_config(pipe.scheduler_config)
     if not cfg.adversarial:
         return graphdef, state, frozen, abar, None
-    with nnx.use_eager_sharding(False):
-        heads = DiscriminatorHeads(pipe.unet.cfg, cfg.adv.head_groups, cfg.adv.up_blocks, rngs=nnx.Rngs(cfg.seed + 1))
-    heads_graphdef, heads = nnx.split(heads)
-    disc = init_discriminator_state(jax.device_put(heads, replicated(mesh)), cfg.adv)
-    step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
-    return graphdef, AdversarialState(state, disc, step), frozen, abar, heads_graphdef
+    heads_graphdef, state = init_adversarial_state(state, pipe.unet.cfg, cfg.adv, cfg.seed + 1, mesh)
+    return graphdef, state, frozen, abar, heads_graphdef
 
 
 def student_params(state):
@@ -273,8 +269,8 @@ def distil(cfg: DistilRunConfig) -> dict[str, float]:
         example = next(cache_batches(data, cfg.batch_size))
         schedule = cfg.distill.schedule(abar)
         if cfg.adversarial:
-            steps = alternating_steps(*make_adversarial_steps(graphdef, heads_graphdef, schedule, cfg.distill, cfg.adv))
-            step = alternate(*(compile_distill_step(s, state, frozen, example, mesh) for s in steps))
+            step = compile_adversarial_step(graphdef, heads_graphdef, schedule, cfg.distill, cfg.adv, state, frozen,
+                                            example, mesh)
         else:
             step = compile_distill_step(make_distill_step(graphdef, schedule, cfg.distill), state, frozen, example, mesh)
         state, last = distil_loop(step, state, frozen, uncond, data, mesh, steps=cfg.max_train_steps,

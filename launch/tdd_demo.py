@@ -1,4 +1,4 @@
-"""The embedded TDD demo: distil a digits teacher with the lcm, tcd and tdd selectors and compare few-step samples.
+"""The embedded TDD demo: distil a digits teacher with three target selectors (and TDD-adv) and compare samples.
 
     python -m launch.tdd                       # the default of the TDD launch script
     python -m launch.tdd demo out=runs/tdd_demo distill_steps=600
@@ -8,7 +8,11 @@
 3. the teacher: our ``UNet2DConditionModel`` (tiny config) with a label "text encoder" (one embedding per
    digit plus the empty label), an ε-prediction DDPM on the SD scaled-linear schedule, in the latent space
    of a lossless space-to-depth "VAE" (16×16×1 ↔ 8×8×4);
-4. distillation with ``tdd_jax.distill`` once per selector (same data, keys, steps and hyperparameters);
+4. distillation with ``tdd_jax.distill`` once per target selector (same data, keys, steps and hyperparameters):
+   "s = 0 target (LCM-style)" (``lcm``), "grid target (TCD-style)" (``tcd``) and "TDD" (``tdd``); all three
+   are TDD's pipeline (teacher DDIM step, DDIM-jump consistency function, pseudo-Huber loss, TDD sampler) and
+   differ only in the target timestep s, so they are ablations, not the LCM or TCD methods. With
+   ``adversarial=true``, also TDD-adv (``tdd_jax.adversarial``) with the same number of (global) steps;
 5. samples conditioned on every digit from the same initial noise: teacher DDIM (eta 0) with CFG 1 + w,
    students with the TDD sampler (eta, guidance 1: the distilled guidance); FD to the training digits, FD to
    the teacher's own many-step samples (how well a student reproduces what it was distilled from) and the
@@ -33,7 +37,8 @@ from launch.tdd import sample_module
 from launch.tdd_loop import distil_loop
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_state
-from tdd_jax.data import save_image_grid
+from tdd_jax.adversarial import AdversarialConfig, compile_adversarial_step, init_adversarial_state
+from tdd_jax.data import cache_batches, save_image_grid
 from tdd_jax.digits import (EMPTY_LABEL, NUM_CLASSES, LabelEncoder, feature_stats, frechet_distance, from_latents,
                             load_digits_images, score_samples, split_digits, to_latents, train_classifier)
 from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile_distill_step, init_distill_state,
@@ -53,12 +58,14 @@ DEMO_DISTILL = DistillConfig(num_ddim_timesteps=50, w_min=0.0, w_max=0.0, learni
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """The demo's sizes and hyperparameters; ``distill`` is shared by the three selectors (its ``selector`` is ignored).
+    """The demo's sizes and hyperparameters; ``distill`` is shared by the selectors (its ``selector`` is ignored).
 
     ``distill.w_min = w_max = w`` is the distilled guidance (LCM form): the teacher rows sample with CFG 1 + w.
     The default w = 0 distils the unguided teacher, so FD to real digits measures few-step quality rather than
     guidance strength; ``distill.w_min=1 distill.w_max=1`` distils CFG 2.
     ``lora_rank`` 0 distils all UNet parameters; > 0 trains LoRA adapters (alpha = rank).
+    ``adversarial`` adds a TDD-adv row (``tdd`` selector plus ``adv``; ``distill_steps`` global steps, half of
+    them student updates, as the reference counts them).
     """
 
     out: str = "runs/tdd_demo"
@@ -76,6 +83,8 @@ class DemoConfig:
     distill_batch_size: int = 32
     lora_rank: int = 0
     distill: DistillConfig = DEMO_DISTILL
+    adversarial: bool = False
+    adv: AdversarialConfig = AdversarialConfig(head_groups=8)
     teacher_sampling_steps: tuple[int, ...] = (50, 4)
     student_sampling_steps: tuple[int, ...] = (2, 4, 8)
     eta: float = 0.2
@@ -92,6 +101,8 @@ class DemoConfig:
                       "distill_batch_size", "samples_per_class", "label_dim"):
             check(getattr(self, field) >= 1, field, ">= 1")
         check(self.lora_rank >= 0, "lora_rank", ">= 0")
+        check(all(c % self.adv.head_groups == 0 for c in self.block_out_channels), "adv",
+              f"heads whose head_groups divide block_out_channels {self.block_out_channels}")
         check(0.0 <= self.p_uncond < 1.0, "p_uncond", "in [0, 1)")
         check(0.0 <= self.eta < 1.0, "eta", "in [0, 1)")
         check(len(self.selectors) > 0, "selectors", "non-empty")
@@ -123,9 +134,13 @@ def unet_config(config: DemoConfig) -> UNetConfig:
                       num_attention_heads=(2,) * n, cross_attention_dim=(config.label_dim,) * n, norm_num_groups=8)
 
 
+SELECTOR_NAMES = {"lcm": "s = 0 target (LCM-style)", "tcd": "grid target (TCD-style)", "tdd": "TDD"}
+
+
 def distil_student(config: DemoConfig, selector: str, teacher: UNet2DConditionModel, data: DistillBatch,
-                   uncond: Unconditional, alphas_cumprod: jax.Array, mesh) -> tuple[nnx.Module, dict[str, float]]:
-    """A copy of the teacher distilled with ``selector``; returns the student and its last metrics."""
+                   uncond: Unconditional, alphas_cumprod: jax.Array, mesh,
+                   adversarial: bool = False) -> tuple[nnx.Module, dict[str, float]]:
+    """A copy of the teacher distilled with ``selector`` (TDD-adv with ``adversarial``); returns it and its last metrics."""
     distill = dataclasses.replace(config.distill, selector=selector)
     graphdef, state = nnx.split(teacher)
     student = nnx.merge(graphdef, jax.tree.map(jnp.copy, shard_state(state, mesh)))  # placed: no second compile
@@ -134,13 +149,20 @@ def distil_student(config: DemoConfig, selector: str, teacher: UNet2DConditionMo
     graphdef, params, frozen = split_model(student, lora=config.lora_rank > 0)
     with jax.set_mesh(mesh):
         state = init_distill_state(params, distill, jax.random.key(config.seed), mesh)
-        example = jax.tree.map(lambda x: x[:config.distill_batch_size], data)
-        step = compile_distill_step(make_distill_step(graphdef, distill.schedule(alphas_cumprod), distill), state,
-                                    frozen, example, mesh)
+        example = next(cache_batches(data, config.distill_batch_size))
+        schedule = distill.schedule(alphas_cumprod)
+        if adversarial:
+            heads_graphdef, state = init_adversarial_state(state, teacher.cfg, config.adv, config.seed + 1, mesh)
+            step = compile_adversarial_step(graphdef, heads_graphdef, schedule, distill, config.adv, state, frozen,
+                                            example, mesh)
+        else:
+            step = compile_distill_step(make_distill_step(graphdef, schedule, distill), state, frozen, example, mesh)
+        name = selector + ("-adv" if adversarial else "")
         state, last = distil_loop(step, state, frozen, uncond, data, mesh, steps=config.distill_steps,
                                   batch_size=config.distill_batch_size, seed=config.seed,
-                                  out=Path(config.out) / selector, checkpoint_every=None, description=selector)
-    return nnx.merge(graphdef, state.params, frozen.base), last
+                                  out=Path(config.out) / name, checkpoint_every=None, description=name)
+    params = state.student.params if adversarial else state.params
+    return nnx.merge(graphdef, params, frozen.base), last
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -186,34 +208,36 @@ def run_demo(config: DemoConfig) -> list[dict]:
     key = jax.random.key(config.seed + 2)
     n_ddim = config.distill.num_ddim_timesteps
 
-    def evaluate(method: str, module: nnx.Module, steps: int, eta: float, guidance: float | None):
+    def evaluate(method: str, slug: str, module: nnx.Module, steps: int, eta: float, guidance: float | None):
         plan = make_sampling_plan(abar, steps, eta, n_ddim)
         graphdef, state = nnx.split(module)
         latents_0 = sample_module(graphdef, state, x_T, cond, empty if guidance else None, plan, guidance or 1.0, key)
         images = np.clip(from_latents(np.asarray(latents_0)), -1.0, 1.0)
         scores = score_samples(classifier, images, labels, real)
         grid = images.reshape(NUM_CLASSES, config.samples_per_class, *images.shape[1:])[:, :10]
-        save_image_grid(grid.reshape(-1, *images.shape[1:]), out / "grids" / f"{method}-{steps}.png",
+        save_image_grid(grid.reshape(-1, *images.shape[1:]), out / "grids" / f"{slug}-{steps}.png",
                         columns=grid.shape[1])
         rows.append({"method": method, "steps": steps, **scores._asdict()})
         features.append(images)
-        print(f"{method}-{steps}: FD {scores.fd:.2f}, accuracy {100 * scores.accuracy:.1f}%", flush=True)
+        print(f"{method}, {steps} steps: FD {scores.fd:.2f}, accuracy {100 * scores.accuracy:.1f}%", flush=True)
 
     teacher_guidance = 1.0 + config.distill.w_min
     for steps in config.teacher_sampling_steps:
-        evaluate(f"teacher DDIM (CFG {teacher_guidance:g})", model.unet, steps, 0.0,
+        evaluate(f"teacher DDIM (CFG {teacher_guidance:g})", "teacher", model.unet, steps, 0.0,
                  teacher_guidance if teacher_guidance > 1.0 else None)
     timings["teacher sampling"] = time.perf_counter() - clock - sum(timings.values())
 
     mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     final_losses = {}
-    for selector in config.selectors:
-        student, last = distil_student(config, selector, model.unet, data, uncond, abar, mesh)
-        final_losses[selector] = last.get("loss")
-        timings[f"distil {selector}"] = time.perf_counter() - clock - sum(timings.values())
+    runs = [(s, False) for s in config.selectors] + ([("tdd", True)] if config.adversarial else [])
+    for selector, adversarial in runs:
+        slug, method = (f"{selector}-adv", "TDD-adv") if adversarial else (selector, SELECTOR_NAMES[selector])
+        student, last = distil_student(config, selector, model.unet, data, uncond, abar, mesh, adversarial)
+        final_losses[slug] = last.get("loss")
+        timings[f"distil {slug}"] = time.perf_counter() - clock - sum(timings.values())
         for steps in config.student_sampling_steps:
-            evaluate(f"{selector.upper()} (eta {config.eta:g})", student, steps, config.eta, None)
-        timings[f"sample {selector}"] = time.perf_counter() - clock - sum(timings.values())
+            evaluate(f"{method} (eta {config.eta:g})", slug, student, steps, config.eta, None)
+        timings[f"sample {slug}"] = time.perf_counter() - clock - sum(timings.values())
 
     embed = lambda images: np.asarray(classifier.embed(jnp.asarray(images)))
     teacher_samples = feature_stats(embed(features[1]))  # the teacher's first (most-step) sampling row

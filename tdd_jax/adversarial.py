@@ -34,10 +34,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from runtime.guards import non_finite_metrics, skip_non_finite
+from runtime.mesh import replicated
 from tdd_jax.distill import (DistillBatch, DistillConfig, DistillState, FrozenParams, Unconditional,
-                             consistency_loss, consistency_target, draw_distill_sample, draw_latents, make_optimizer,
+                             compile_distill_step, consistency_loss, consistency_target, draw_distill_sample, draw_latents, make_optimizer,
                              student_prediction)
 from tdd_jax.models.layers import Conv, GroupNorm
 from tdd_jax.models.unet import UNet2DConditionModel
@@ -198,8 +200,8 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
                            config: DistillConfig, adv: AdversarialConfig):
     """``(discriminator_step, generator_step)``, each ``(state, disc, frozen, uncond, batch) -> (state, disc, m)``.
 
-    ``graphdef`` is the student from ``distill.split_model(unet, lora=True)``; the discriminator's backbone
-    is the same UNet with LoRA off. The discriminator step leaves the student's params and step counter
+    ``graphdef`` is the student from ``distill.split_model``; the teacher and the discriminator's backbone
+    are the same UNet with LoRA off (or, for full fine-tuning, with the frozen initial parameters). The discriminator step leaves the student's params and step counter
     unchanged (it only advances its RNG); the generator step leaves the heads unchanged.
     """
     if config.num_microbatches != 1 or config.ema_decay is not None:
@@ -217,17 +219,19 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
         shape = batch.latents.shape
         gan = GanDraws(gan_timesteps(k_t, sample.s, num_train, k_min), jax.random.normal(k_real, shape),
                        jax.random.normal(k_fake, shape))
-        model = nnx.merge(graphdef, state.params, frozen.base)
-        x_start, target = consistency_target(module_eps_fn(model), module_eps_fn(model, 0.0), draw_latents(key, batch),
-                                             sample, uncond.teacher, abar)
+        student = module_eps_fn(nnx.merge(graphdef, state.params, frozen.base))
+        x_start, target = consistency_target(student, module_eps_fn(teacher(state.params, frozen), 0.0),
+                                             draw_latents(key, batch), sample, uncond.teacher, abar)
         return rng, sample, gan, x_start, target
+
+    def teacher(params, frozen):
+        return nnx.merge(graphdef, params if frozen.teacher is None else frozen.teacher, frozen.base)
 
     def prediction(params, base, sample, x_start):
         return student_prediction(module_eps_fn(nnx.merge(graphdef, params, base)), x_start, sample, abar)
 
-    def logits(heads, params, base, x, gan, cond):
-        features = teacher_features(nnx.merge(graphdef, params, base), x, gan.t, cond, adv.up_blocks)
-        return nnx.merge(heads_graphdef, heads)(features)
+    def logits(heads, backbone, x, gan, cond):
+        return nnx.merge(heads_graphdef, heads)(teacher_features(backbone, x, gan.t, cond, adv.up_blocks))
 
     def travel(x, z, sample, gan):
         return renoise(x, z, abar[sample.s], abar[gan.t])
@@ -240,8 +244,9 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
         real = travel(target, gan.z_real, sample, gan)
 
         def loss_fn(heads):
-            return hinge_discriminator_loss(logits(heads, state.params, frozen.base, fake, gan, sample.cond),
-                                            logits(heads, state.params, frozen.base, real, gan, sample.cond))
+            backbone = teacher(state.params, frozen)
+            return hinge_discriminator_loss(logits(heads, backbone, fake, gan, sample.cond),
+                                            logits(heads, backbone, real, gan, sample.cond))
 
         d_loss, grads = jax.value_and_grad(loss_fn)(disc.params)
         updates, opt_state = tx_d.update(grads, disc.opt_state, disc.params)
@@ -258,7 +263,7 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
             pred = prediction(params, frozen.base, sample, x_start)
             cm = consistency_loss(pred, target, config)
             fake = travel(pred, gan.z_fake, sample, gan)
-            g_loss = hinge_generator_loss(logits(disc.params, params, frozen.base, fake, gan, sample.cond))
+            g_loss = hinge_generator_loss(logits(disc.params, teacher(params, frozen), fake, gan, sample.cond))
             return cm + adv.adv_weight * g_loss, (cm, g_loss)
 
         (loss, (cm, g_loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -269,3 +274,21 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
         return DistillState(params, opt_state, state.step + 1, rng, None), disc, metrics
 
     return discriminator_step, generator_step
+
+
+def init_adversarial_state(student: DistillState, unet_cfg, adv: AdversarialConfig, seed: int,
+                           mesh: Mesh) -> tuple[nnx.GraphDef, AdversarialState]:
+    """Fresh discriminator heads for ``unet_cfg`` (replicated on ``mesh``) around ``student``; global step 0."""
+    with nnx.use_eager_sharding(False):
+        heads = DiscriminatorHeads(unet_cfg, adv.head_groups, adv.up_blocks, rngs=nnx.Rngs(seed))
+    heads_graphdef, heads = nnx.split(heads)
+    disc = init_discriminator_state(jax.device_put(heads, replicated(mesh)), adv)
+    return heads_graphdef, AdversarialState(student, disc, jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh)))
+
+
+def compile_adversarial_step(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef, schedule: TDDSchedule,
+                             config: DistillConfig, adv: AdversarialConfig, state: AdversarialState,
+                             frozen: FrozenParams, batch: DistillBatch, mesh: Mesh) -> Callable:
+    """The alternating TDD-adv loop step, each half compiled like ``distill.compile_distill_step``."""
+    steps = alternating_steps(*make_adversarial_steps(graphdef, heads_graphdef, schedule, config, adv))
+    return alternate(*(compile_distill_step(step, state, frozen, batch, mesh) for step in steps))

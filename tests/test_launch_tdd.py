@@ -29,19 +29,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_demo_fast_preset_writes_table_and_grids(tmp_path):
-    rows = run_demo(dataclasses.replace(FAST, out=str(tmp_path)))
-    methods = [(r["method"].split(" ")[0], r["steps"]) for r in rows]
-    assert methods == [("real", "-"), ("teacher", 50), ("teacher", 4), ("LCM", 2), ("LCM", 4), ("TCD", 2), ("TCD", 4),
-                       ("TDD", 2), ("TDD", 4)]
+    rows = run_demo(dataclasses.replace(FAST, out=str(tmp_path), adversarial=True))
+    methods = [(r["method"], r["steps"]) for r in rows]
+    students = ["s = 0 target (LCM-style) (eta 0.2)", "grid target (TCD-style) (eta 0.2)", "TDD (eta 0.2)",
+                "TDD-adv (eta 0.2)"]
+    assert methods == [("real held-out digits", "-"), ("teacher DDIM (CFG 1)", 50), ("teacher DDIM (CFG 1)", 4)] + [
+        (name, steps) for name in students for steps in (2, 4)]
     assert all(np.isfinite(r["fd"]) and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
     # FD to the teacher's 50-step samples: zero for those samples themselves, positive for any other set
     assert rows[1]["fd_teacher"] < 1e-6 and all(r["fd_teacher"] > 0.0 for r in rows[2:])
     table = (tmp_path / "table.md").read_text().splitlines()
     assert "FD to teacher samples" in table[0]
     assert len(table) == 2 + len(rows) and table[3].startswith("| teacher DDIM (CFG 1) | 50 |")
-    grid = np.asarray(Image.open(tmp_path / "grids" / "TDD (eta 0.2)-4.png"))
+    grid = np.asarray(Image.open(tmp_path / "grids" / "tdd-adv-4.png"))
     assert grid.shape == (10 * 16, 2 * 16)  # one row per digit, samples_per_class columns
     assert (tmp_path / "table.json").is_file() and (tmp_path / "tdd" / "metrics.jsonl").is_file()
+    assert [("d_loss" in r, "g_loss" in r) for r in read_jsonl(tmp_path / "tdd-adv" / "metrics.jsonl")] == [
+        (True, False), (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,10 @@ def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images,
         (distil + ["resolution=7"], r"resolution: 7 must be divisible"),
         (distil + ["max_consecutive_non_finite=0"], r"max_consecutive_non_finite: must be >= 1, got 0"),
         (distil + ["mesh=[1,3,1]"], r"mesh shape"),
+        (distil + ["crops_per_image=0"], r"crops_per_image: must be >= 1, got 0"),
+        (distil + ["latent_sampling=mode"], r"latent_sampling: must be one of"),
+        (distil + ["adversarial=true", "distill.num_microbatches=2"], r"adversarial: .*distill.num_microbatches=1"),
+        (distil + ["adversarial=true", "adv.head_groups=32"], r"adv.head_groups: 32 must divide .*\[16\]"),
         (["sample", f"teacher={pipeline_dir}", f"lora={tmp_path / 'x.safetensors'}"], r"lora: no such file"),
         (["export", f"run={tmp_path}"], r"run: .*missing config.json"),
         (["export", f"run={tmp_path}", "format=ckpt"], r"format: must be one of"),
@@ -121,6 +129,29 @@ def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images,
         with pytest.raises(ValueError, match="DemoConfig.teacher_sampling_steps must be non-empty with the most"):
             DemoConfig(teacher_sampling_steps=sampling)
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def adversarial_run(pipeline_dir, first_run, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("adversarial")
+    last = tdd.main(["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"cache={first_run[0] / 'cache'}",
+                     f"out={out}", "adversarial=true"])
+    return out, last
+
+
+def test_adversarial_distil_alternates_and_exports(adversarial_run, tmp_path):
+    """TDD-adv from the command line: discriminator on even global steps (1, 3), student on odd (2, 4)."""
+    out, last = adversarial_run
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [("d_loss" in r, "g_loss" in r) for r in rows] == [(True, False), (False, True)] * 2
+    assert all(r["numerics/d_consecutive_non_finite"] == r["numerics/consecutive_non_finite"] == 0 for r in rows)
+    assert np.isfinite(last["loss"]) and rows[0]["d_loss"] != rows[2]["d_loss"]
+    exported = load_file(tdd.main(["export", f"run={out}", f"out={tmp_path / 'lora.safetensors'}"]))
+    final = load_file(out / "lora.safetensors")
+    assert exported.keys() == final.keys()
+    for key in final:
+        np.testing.assert_array_equal(exported[key], final[key], err_msg=key)
 
 
 def test_repeated_non_finite_steps_stop_after_saving_the_last_finite_state(first_run, pipeline_dir,  # noqa: F811
@@ -152,11 +183,11 @@ def test_repeated_non_finite_steps_stop_after_saving_the_last_finite_state(first
         np.testing.assert_array_equal(saved[key], finite[key], err_msg=key)
 
 
-def run_distil(pipeline_dir, cache, out):  # noqa: F811
+def run_distil(pipeline_dir, cache, out, *overrides):  # noqa: F811
     """``distil --preset tiny`` in a subprocess with this process's device count and XLA settings (conftest)."""
     env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache")}
     cmd = [sys.executable, "-m", "launch.tdd", "distil", "--preset", "tiny", f"teacher={pipeline_dir}",
-           f"cache={cache}", f"out={out}"]
+           f"cache={cache}", f"out={out}", *overrides]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -165,11 +196,14 @@ def rows_written(out):
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
-def test_sigkilled_distillation_resumes_bit_identically(pipeline_dir, first_run, tmp_path):  # noqa: F811
-    """The uninterrupted reference is ``first_run`` (4 steps, a checkpoint after each)."""
-    reference, steps = first_run[0], 4
+@pytest.mark.parametrize("overrides", [(), ("adversarial=true",)], ids=["tdd", "tdd-adv"])
+def test_sigkilled_distillation_resumes_bit_identically(pipeline_dir, first_run, request, tmp_path,  # noqa: F811
+                                                        overrides):
+    """The uninterrupted reference is ``first_run`` or ``adversarial_run`` (4 steps, a checkpoint after each);
+    TDD-adv's discriminator losses in the metrics after the restart show its heads were restored too."""
+    reference, steps = request.getfixturevalue("adversarial_run" if overrides else "first_run")[0], 4
     kill_after = int(np.random.default_rng().integers(1, steps - 1))
-    killed = run_distil(pipeline_dir, reference / "cache", tmp_path)
+    killed = run_distil(pipeline_dir, first_run[0] / "cache", tmp_path, *overrides)
     deadline = time.monotonic() + 300
     while rows_written(tmp_path) < kill_after:
         assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read().decode()[-3000:]
@@ -177,7 +211,7 @@ def test_sigkilled_distillation_resumes_bit_identically(pipeline_dir, first_run,
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     assert rows_written(tmp_path) < steps, f"killed after step {kill_after}: too late to test resuming"
-    resumed = run_distil(pipeline_dir, reference / "cache", tmp_path)
+    resumed = run_distil(pipeline_dir, first_run[0] / "cache", tmp_path, *overrides)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
     assert read_jsonl(tmp_path / "metrics.jsonl") == read_jsonl(reference / "metrics.jsonl"), \
         f"killed after step {kill_after}"

@@ -60,15 +60,35 @@ def test_teacher_features_are_diffusers_block_outputs_with_lora_off(tmp_path_fac
         np.array([999, 17])
     captured = []
     hooks = [block.register_forward_hook(lambda m, i, out: captured.append(out[0] if isinstance(out, tuple) else out))
-             for block in [*model.down_blocks, model.mid_block]]
+             for block in [*model.down_blocks, model.mid_block, *model.up_blocks]]
     with torch.no_grad():
         model(torch.from_numpy(x), torch.from_numpy(t), torch.from_numpy(ctx))
     for hook in hooks:
         hook.remove()
-    got = jax.jit(teacher_features)(unet, x.transpose(0, 2, 3, 1), t, Conditioning(ctx))
-    assert [f.shape[-1] for f in got] == [8, 8]
+    features = jax.jit(teacher_features, static_argnums=4)
+    got = features(unet, x.transpose(0, 2, 3, 1), t, Conditioning(ctx), True)  # SD1.5 reference: with up blocks
+    assert len(got) == len(captured) == 3
     for ours, theirs in zip(got, captured):
         np.testing.assert_allclose(np.asarray(ours), theirs.numpy().transpose(0, 2, 3, 1), atol=1e-4)
+    encoder = features(unet, x.transpose(0, 2, 3, 1), t, Conditioning(ctx), False)  # SDXL reference
+    assert len(encoder) == 2
+    for ours, theirs in zip(encoder, got):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_discriminator_heads_per_reference_layout():
+    """SD1.5 layout (4 levels): 4 down + mid + 4 up = 9 heads (``pcm_discriminator_sd15``); encoder only: 5."""
+    cfg = UNetConfig(block_out_channels=(32, 64, 128, 128), layers_per_block=(1,) * 4,
+                     down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                     up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+                     transformer_layers_per_block=(1,) * 4, num_attention_heads=(2,) * 4, cross_attention_dim=(8,) * 4)
+    def channels(up_blocks):
+        with nnx.use_eager_sharding(False):
+            heads = nnx.eval_shape(lambda: DiscriminatorHeads(cfg, 32, up_blocks, rngs=nnx.Rngs(0)))
+        return [h.conv1.kernel.shape[2] for h in heads.heads]
+
+    assert channels(True) == [32, 64, 128, 128, 128, 128, 128, 64, 32]
+    assert channels(False) == [32, 64, 128, 128, 128]
 
 
 def test_alternating_steps_train_their_own_parameters():

@@ -12,7 +12,11 @@ t_n without gradient, jumped to s; pseudo-Huber loss; backward; grad-norm clip; 
 First it checks that both steps agree on the same draws (ours drawn by ``draw_distill_sample`` from
 the key our step uses): the loss, the pre-clip gradient norm and, re-running the same draws after
 the update, the loss change the update caused. Then it prints our compile time, the steady-state
-step times and the ratio ours / torch (below 1 means ours is faster). PyTorch runs on
+step times and the ratio ours / torch (below 1 means ours is faster). Then the cost of fresh
+augmentation (issue 32): our step with the latent drawn inside it from a cached VAE posterior
+(``DistillBatch.latents_logvar``) against the fixed-latent step, and one VAE encode of the batch's
+pixels (8x the latent size; an SD-like ``AutoencoderKL`` with ``--vae-channels``), what re-encoding
+every step (no cache) would add. PyTorch runs on
 ``--torch-threads`` threads (default 1: with 2 threads on a loaded 2-core machine one UNet forward was 30-100x slower);
 XLA uses every core unless started with
 ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``.
@@ -25,17 +29,19 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
 
 from runtime.mesh import MeshConfig, make_mesh
-from runtime.sharding import shard_batch
+from runtime.sharding import create_sharded, shard_batch
 from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile_distill_step, draw_distill_sample,
                              init_distill_state, make_distill_step, split_model, unconditional_embedding)
 from tdd_jax.models.diffusers_io import load_unet
 from tdd_jax.models.lora import LoraConfig, add_lora
 from tdd_jax.models.lora_io import export_peft
+from tdd_jax.models.vae import AutoencoderKL, VAEConfig
 from tdd_jax.sampler import Conditioning
 from tdd_jax.schedules import alphas_cumprod_from_config
 from tdd_jax.targets import make_selector
@@ -114,6 +120,7 @@ def main():
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--vae-channels", type=int, nargs="+", default=[32, 64, 128, 128])
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     from diffusers import UNet2DConditionModel
@@ -189,6 +196,38 @@ def main():
     ours_s, torch_s = interleaved_medians([ours_step, torch_step], args.repeats)
     print(f"{'':12s} {'ours s':>9s} {'torch s':>9s} {'ours/torch':>11s} {'our compile s':>14s}")
     print(f"{'step':12s} {ours_s:9.3f} {torch_s:9.3f} {ours_s / torch_s:11.2f} {compile_s:14.1f}")
+    augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, mesh, args)
+
+
+def augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, mesh, args):
+    """Step time with the latent drawn from the posterior vs fixed latents, and one VAE encode of the batch."""
+    logvar = np.full(batch.latents.shape, -2.0, np.float32)
+    with jax.set_mesh(mesh):
+        posterior = shard_batch(jax.device_get(batch)._replace(latents_logvar=logvar), mesh)
+        sampled = compile_distill_step(make_distill_step(graphdef, schedule, DISTILL), state, frozen, posterior,
+                                       mesh).lower(state, frozen, uncond, posterior).compile()
+        vae = create_sharded(lambda: AutoencoderKL(VAEConfig(block_out_channels=tuple(args.vae_channels),
+                                                             layers_per_block=2, norm_num_groups=16),
+                                                   rngs=nnx.Rngs(0)), mesh)
+        pixels = np.random.default_rng(1).uniform(-1, 1, (args.batch, 8 * args.size, 8 * args.size, 3))
+        encode = nnx.jit(lambda vae, x: tuple(vae.scale_posterior(vae.encode(x))))
+        jax.block_until_ready(encode(vae, pixels.astype(np.float32)))
+    states = {"fixed": state}
+
+    def timed(name, fn, b):
+        def run():
+            states[name], m = fn(states[name], frozen, uncond, b)
+            jax.block_until_ready(m)
+        return run
+
+    states["sampled"] = jax.tree.map(jnp.copy, state)
+    fixed_s, sampled_s, encode_s = interleaved_medians(
+        [timed("fixed", step, batch), timed("sampled", sampled, posterior),
+         lambda: jax.block_until_ready(encode(vae, pixels.astype(np.float32)))], args.repeats)
+    print(f"{'ours':36s} {'s':>9s} {'/ fixed step':>13s}")
+    for name, seconds in (("step, fixed latents", fixed_s), ("step, latent drawn from posterior", sampled_s),
+                          (f"VAE encode {8 * args.size}px x{args.batch} {tuple(args.vae_channels)}", encode_s)):
+        print(f"{name:36s} {seconds:9.3f} {seconds / fixed_s:13.2f}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ def test_vae_encode_decode_match_diffusers(vae_pair):
     eps = np.asarray(jax.random.normal(key, z.shape))
     expected = np.asarray(dist.mean) + np.exp(0.5 * np.asarray(dist.logvar)) * eps
     np.testing.assert_allclose(np.asarray(dist.sample(key)), expected, rtol=1e-5, atol=1e-6)
+    # the cached posterior of the scaled latents samples what scaling a posterior sample gives
+    scaled = ours.scale_posterior(dist)
+    np.testing.assert_allclose(np.asarray(scaled.sample(key)), 0.13025 * expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(scaled.logvar), np.asarray(dist.logvar) + 2 * np.log(0.13025), atol=1e-5)
 
 
 def tiny_tokenizer(folder):

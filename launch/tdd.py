@@ -40,7 +40,8 @@ from runtime.config import parse_config
 from runtime.mesh import MeshConfig, make_mesh
 from tdd_jax.adversarial import (NON_FINITE_KEYS, AdversarialConfig, AdversarialState, compile_adversarial_step,
                                  init_adversarial_state)
-from tdd_jax.data import LATENT_SAMPLING, build_cache, cache_batches, iter_source, load_cache, save_image_grid, to_uint8
+from tdd_jax.data import (LATENT_SAMPLING, build_cache, cache_batches, iter_source, load_cache, num_crops,
+                          save_image_grid, to_uint8)
 from tdd_jax.distill import (DistillConfig, Unconditional, compile_distill_step, init_distill_state,
                              make_distill_step, split_model, unconditional_embedding)
 from tdd_jax.models.clip import prompt_embeddings, tokenize
@@ -262,6 +263,12 @@ def distil(cfg: DistilRunConfig) -> dict[str, float]:
         if not (cache.is_dir() and any(p.name.startswith("shard_") for p in cache.iterdir())):
             cache_data(cfg, cache, sdxl, mesh)
         data, empty = load_cache(cache, cfg.latent_sampling)
+        if (num_crops(data) or 1) != cfg.crops_per_image:
+            fail("crops_per_image", f"{cfg.crops_per_image}, but the cache {cache} holds {num_crops(data) or 1} "
+                                    "crops per image: set that, or give a new cache folder")
+        if cfg.latent_sampling == "sample" and data.latents_logvar is None:
+            fail("latent_sampling", f"'sample' needs VAE posteriors, but the cache {cache} holds fixed latents: "
+                                    "give a new cache folder, or latent_sampling=mean to train on them as they are")
         if data.latents.shape[0] < cfg.batch_size:
             fail("batch_size", f"{cfg.batch_size} is larger than the {data.latents.shape[0]} cached examples in {cache}")
         graphdef, state, frozen, abar, heads_graphdef = build_student(cfg, mesh)

@@ -1,4 +1,4 @@
-"""TDD-adv: a hinge GAN on frozen-teacher UNet encoder features (spec §10, decision 20).
+"""TDD-adv: a hinge GAN on frozen-teacher UNet features (spec §10, decision 20).
 
 An addition to the plain distillation step (``tdd_jax.distill``), which it leaves unchanged:
 
@@ -15,8 +15,8 @@ An addition to the plain distillation step (``tdd_jax.distill``), which it leave
   ``L_G = Σ_h mean(relu(1 − D_h(fake))) / H``;
 * training alternates: ``discriminator_step`` on even global steps (AdamW(1e-5, β = (0, 0.999),
   wd 1e-3), clip 1.0), ``generator_step`` on odd ones (consistency loss + ``adv_weight``·L_G, the
-  student's optimiser). ``make_alternating_step`` alternates them as one step for the distillation
-  loop (``launch.tdd_loop``), on the combined ``AdversarialState``. Both optimisers skip and count non-finite
+  student's optimiser). ``compile_adversarial_step`` alternates them as one step of the distillation
+  loop (``launch.tdd_loop``) on the combined ``AdversarialState``. Both optimisers skip and count non-finite
   updates (``runtime.guards.skip_non_finite``): ``numerics/*`` for the student, ``numerics/d_*`` for the heads.
 
 The adversarial steps take the whole batch at once (``num_microbatches`` 1) and target the online

@@ -100,7 +100,8 @@ def test_export_peft_equals_the_kohya_file_and_sample_writes_pngs(first_run, pip
     assert (tmp_path / "samples" / "grid.png").is_file()
 
 
-def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images, tmp_path, capsys):  # noqa: F811
+def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images, first_run, tmp_path,  # noqa: F811
+                                                            capsys):
     distil = ["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"data={images}", f"out={tmp_path}"]
     cases = [
         (["distil", "--preset", "tiny", f"teacher={tmp_path}"], r"teacher: .* missing model_index.json"),
@@ -123,6 +124,14 @@ def test_bad_inputs_fail_naming_the_field_before_compiling(pipeline_dir, images,
     with pytest.raises(SystemExit):  # tyro reports the dataclass's ValueError and exits
         tdd.main(distil + ["distill.selector=pcm"])
     assert "DistillConfig.selector must be one of" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"crops_per_image: 2, but the cache .* holds 1 crops per image"):
+        tdd.main(distil + [f"cache={first_run[0] / 'cache'}", "crops_per_image=2"])
+    fixed = tmp_path / "fixed_cache"  # latents drawn once, as caches were before posteriors
+    shutil.copytree(first_run[0] / "cache", fixed)
+    arrays = dict(np.load(fixed / "shard_00000.npz"))
+    np.savez(fixed / "shard_00000.npz", **{k: v for k, v in arrays.items() if k != "latents_logvar"})
+    with pytest.raises(ValueError, match=r"latent_sampling: 'sample' needs VAE posteriors"):
+        tdd.main(distil + [f"cache={fixed}"])
     with pytest.raises(ValueError, match="DemoConfig.image_size"):
         DemoConfig(image_size=20)
     for sampling in [(), (4, 50)]:

@@ -18,6 +18,7 @@ from rich.table import Column
 from tensorboardX import SummaryWriter
 
 from runtime.console import CONSOLE
+from runtime.wandb_logger import WandbLogger
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -39,10 +40,13 @@ class MetricWriter:
       logdir: folder for both outputs; created if missing.
       tensorboard: also write TensorBoard event files.
       enabled: defaults to ``jax.process_index() == 0``.
+      wandb: an optional ``runtime.wandb_logger.WandbLogger`` that gets every row too (closed with the writer).
     """
 
-    def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None):
+    def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None,
+                 wandb: WandbLogger | None = None):
         self.logdir = os.fspath(logdir)
+        self._wandb = wandb
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._jsonl = None
         self._tb = None
@@ -63,6 +67,8 @@ class MetricWriter:
         if self._tb is not None:
             for name, value in scalars.items():
                 self._tb.add_scalar(name, value, global_step=int(step))
+        if self._wandb is not None:
+            self._wandb.write(step, scalars)
         return scalars
 
     def discard_after(self, step: int) -> None:
@@ -91,6 +97,9 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> "MetricWriter":
         return self

@@ -25,6 +25,7 @@ import tyro
 import envs
 from envs.base import TextEnvironment
 from envs.registry import CUSTOM_ENVS, ENV_TYPES, EnvEntry, env_config_types
+from runtime.wandb_logger import LOGGERS, check_loggers
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
 from starpo_jax.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
@@ -162,6 +163,7 @@ class TrainerConfig:
     balance_batch: bool = True
     critic_warmup: int = 0
     max_consecutive_non_finite: int = 5  # stop (after saving) when this many updates in a row were skipped
+    logger: tuple[Literal[LOGGERS], ...] = ("console",)  # RAGEN's [console,wandb]; wandb is optional
 
 
 @dataclass(frozen=True)
@@ -425,6 +427,7 @@ def validate(config: StarPOConfig) -> StarPOConfig:
     _check_types(config)
     _require(config.trainer.max_consecutive_non_finite >= 1, f"trainer.max_consecutive_non_finite must be >= 1, "
                                                              f"got {config.trainer.max_consecutive_non_finite}")
+    check_loggers(config.trainer.logger)
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
     _validate_custom_envs(config)

@@ -44,7 +44,7 @@ from tdd_jax.sampler import Conditioning, make_sampling_plan
 from tdd_jax.schedules import alphas_cumprod_from_config
 from tdd_jax.teacher import ConditionalDenoiser, init_module, train_denoiser
 
-# Stable Diffusion's schedule (spec §2).
+# Stable Diffusion's schedule (tdd.md §2).
 SD_SCHEDULER = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
                 "num_train_timesteps": 1000, "prediction_type": "epsilon"}
 DEMO_DISTILL = DistillConfig(num_ddim_timesteps=50, w_min=0.0, w_max=0.0, learning_rate=1e-4,

@@ -2,7 +2,7 @@
 
 Sources are a folder of ``name.{jpg,jpeg,png,webp}`` files with ``name.txt`` captions, or webdataset
 ``.tar`` shards (members ``key.<image ext>`` and ``key.txt``/``key.json``). Preprocessing follows
-the reference's ``dataset.py`` (spec §4 step 1): bilinear resize of the shorter side to the
+the reference's ``dataset.py`` (tdd.md §4 step 1): bilinear resize of the shorter side to the
 resolution, optional horizontal flip, random crop, scaling to [−1, 1]; ``orig_size`` is the size
 after resizing, and with ``use_fix_crop_and_size`` the reported crop is (0, 0) though the crop
 itself stays random. Undecodable caption bytes become "" (the reference's fallback); an image that does

@@ -1,5 +1,7 @@
 """``python -m launch.chat`` on a tiny local checkpoint: an environment episode and a free chat."""
 
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +27,9 @@ def test_episode_prints_every_turn_and_the_result(checkpoint, capsys):  # noqa: 
     assert out.rstrip().splitlines()[-1].startswith("Bandit seed 5: ")
 
 
-def test_free_chat_reply_is_the_greedy_continuation(checkpoint, capsys):  # noqa: F811
-    messages = chat.main(["--model", str(checkpoint), "--prompt", "Phoenix Dragon", *SHORT])
+def test_free_chat_reply_is_the_greedy_continuation(checkpoint, capsys, monkeypatch):  # noqa: F811
+    monkeypatch.setattr("sys.stdin", io.StringIO("Phoenix Dragon\n"))  # one typed line, then end of input
+    messages = chat.main(["--model", str(checkpoint), *SHORT])
     assert [m["role"] for m in messages] == ["user", "assistant"]
     tokenizer = load_tokenizer(checkpoint)
     with jax.set_mesh(make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])):
@@ -47,3 +50,5 @@ def test_bad_arguments_are_refused_before_loading(checkpoint, tmp_path):  # noqa
         chat.main(["--model", str(tmp_path / "missing"), "--env", "Bandit"])
     with pytest.raises(SystemExit):
         chat.main(["--model", str(checkpoint), "--env", "NoSuchEnv"])
+    with pytest.raises(SystemExit):
+        chat.main(["--model", str(checkpoint), "--env", "Bandit", "--prompt", "hi"])

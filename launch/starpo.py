@@ -38,6 +38,7 @@ from runtime.guards import NonFiniteError, NonFiniteGuard
 from runtime.mesh import make_mesh
 from runtime.metrics import MetricWriter, ProgressBar
 from runtime.preemption import PreemptionHandler
+from runtime.wandb_logger import WandbLogger
 from starpo_jax.config import EnvGroupsConfig, StarPOConfig
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
@@ -172,7 +173,11 @@ def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32)
             return env_metrics(rows, traj.tag_ids, traj.scores, val_tags, "val")
 
         total = config.trainer.total_training_steps
-        with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out) as writer, \
+        wandb = None
+        if "wandb" in config.trainer.logger:
+            wandb = WandbLogger(config.trainer.project_name, config.trainer.experiment_name,
+                                dataclasses.asdict(config), out)
+        with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out, wandb=wandb) as writer, \
                 PreemptionHandler() as preemption:
             start = 0
             echo_trap = EchoTrapMonitor()

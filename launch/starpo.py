@@ -38,6 +38,7 @@ from runtime.guards import NonFiniteError, NonFiniteGuard
 from runtime.mesh import make_mesh
 from runtime.metrics import MetricWriter, ProgressBar
 from runtime.preemption import PreemptionHandler
+from runtime.wandb_logger import WandbLogger
 from starpo_jax.config import EnvGroupsConfig, StarPOConfig
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
@@ -172,7 +173,11 @@ def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32)
             return env_metrics(rows, traj.tag_ids, traj.scores, val_tags, "val")
 
         total = config.trainer.total_training_steps
-        with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out) as writer, \
+        wandb = None
+        if "wandb" in config.trainer.logger:
+            wandb = WandbLogger(config.trainer.project_name, config.trainer.experiment_name,
+                                dataclasses.asdict(config), out)
+        with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out, wandb=wandb) as writer, \
                 PreemptionHandler() as preemption:
             start = 0
             echo_trap = EchoTrapMonitor()
@@ -235,11 +240,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                         help="default: starpo-s-ppo, or the demo's starpo-s-grpo without model_path")
     parser.add_argument("--out", default="runs/starpo", help="metrics, checkpoints and the exported model")
     parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes (one may be -1) or a MESH_PRESETS name")
+    parser.add_argument("--demo-size", choices=("full", "fast"),
+                        help="the embedded demo's sizes: full (default) or fast, the tiny test configuration "
+                             "(minutes, numbers meaningless); only without model_path")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    demo = not any("model_path" in o or "model-path" in o for o in overrides)
+    if args.demo_size and not demo:
+        parser.error("--demo-size sizes the embedded demo; it has no effect with model_path")
     mesh = make_mesh(mesh_config(args.mesh))
-    if not any("model_path" in o or "model-path" in o for o in overrides):
+    if demo:
         from launch import demo_starpo
-        return demo_starpo.run(Path(args.out), mesh, args.preset or demo_starpo.DEMO_PRESET, overrides)
+        config = demo_starpo.DemoConfig.fast() if args.demo_size == "fast" else demo_starpo.DemoConfig()
+        return demo_starpo.run(Path(args.out), mesh, args.preset or demo_starpo.DEMO_PRESET, overrides, config)
     return train(load_config(args.preset or "starpo-s-ppo", overrides), mesh, Path(args.out))
 
 

@@ -30,7 +30,8 @@ from tdd_jax.distill import DistillBatch, DistillState, FrozenParams, Unconditio
 def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncond: Unconditional,
                 data: DistillBatch, mesh: Mesh, *, steps: int, batch_size: int, seed: int, out: Path,
                 checkpoint_every: int | None, description: str = "distil",
-                max_consecutive_non_finite: int = 5, run: RunFolder | None = None) -> tuple[DistillState, dict[str, float]]:
+                max_consecutive_non_finite: int = 5,
+                run: RunFolder | None = None) -> tuple[DistillState, dict[str, float]]:
     """Runs ``step`` until ``steps`` (resuming from ``out/checkpoints``); ``checkpoint_every=None``: no checkpoints.
 
     ``run``: the entered ``RunFolder`` of ``out``, required with checkpoints. Returns the final state and

@@ -49,7 +49,7 @@ def test_hf_tensor_of_the_wrong_dtype_is_named(checkpoint, mesh, tmp_path):  # n
     tensors = load_file(tmp_path / "model" / "model.safetensors")
     tensors[EMBED] = tensors[EMBED].astype(np.int32)
     save_file(tensors, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"tensor '{EMBED}' in model.safetensors has dtype int32, expected a floating"):
+    with pytest.raises(ValueError, match=rf"tensor '{EMBED}' in model.safetensors has dtype int32, expected a float"):
         load_pretrained(tmp_path / "model", mesh)
 
 

@@ -55,7 +55,8 @@ def check_model_folder(name_or_path: str | Path) -> Path:
     if not (folder / INDEX_FILE).is_file() and not any(folder.glob("*.safetensors")):
         lacking.append(f"*.safetensors weights or {INDEX_FILE}")
     if lacking:
-        raise FileNotFoundError(f"model_path {folder} is not a Hugging Face model folder: it lacks {' and '.join(lacking)}")
+        raise FileNotFoundError(f"model_path {folder} is not a Hugging Face model folder: it lacks "
+                                f"{' and '.join(lacking)}")
     return folder
 
 

@@ -195,7 +195,8 @@ def load_state(state: nnx.State, tensors: TensorFile, mesh: Mesh | None = None, 
         used.add(key)
         array = torch_to_ours(tensors.get(key), row.path[-1], len(row.shape))
         if not jax.dtypes.issubdtype(array.dtype, np.floating):
-            raise ValueError(f"tensor {key!r} in {tensors.files[key]} has dtype {array.dtype}, expected a floating type")
+            raise ValueError(f"tensor {key!r} in {tensors.files[key]} has dtype {array.dtype}, "
+                             "expected a floating type")
         if array.shape != row.shape:
             raise ValueError(f"tensor {key!r} in {tensors.files[key]} has shape {array.shape} after conversion, "
                              f"the model expects {row.shape} (check the config)")

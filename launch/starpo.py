@@ -247,16 +247,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                         help="default: starpo-s-ppo, or the demo's starpo-s-grpo without model_path")
     parser.add_argument("--out", default="runs/starpo", help="metrics, checkpoints and the exported model")
     parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes (one may be -1) or a MESH_PRESETS name")
+    parser.add_argument("--demo-size", choices=("full", "fast"),
+                        help="the embedded demo's sizes: full (default) or fast, the tiny test configuration "
+                             "(minutes, numbers meaningless); only without model_path")
     parser.add_argument("--allow-change", default="", metavar="KEYS",
                         help="comma-separated config keys that may differ from the run's recorded config on resume")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    mesh = make_mesh(mesh_config(args.mesh))
+    demo = not any("model_path" in o or "model-path" in o for o in overrides)
+    if args.demo_size and not demo:
+        parser.error("--demo-size sizes the embedded demo; it has no effect with model_path")
     allow = [key for key in args.allow_change.split(",") if key]
-    if not any("model_path" in o or "model-path" in o for o in overrides):
-        if allow:
-            parser.error("--allow-change applies to a run on model_path=..., not to the embedded demo")
+    if allow and demo:
+        parser.error("--allow-change applies to a run on model_path=..., not to the embedded demo")
+    mesh = make_mesh(mesh_config(args.mesh))
+    if demo:
         from launch import demo_starpo
-        return demo_starpo.run(Path(args.out), mesh, args.preset or demo_starpo.DEMO_PRESET, overrides)
+        config = demo_starpo.DemoConfig.fast() if args.demo_size == "fast" else demo_starpo.DemoConfig()
+        return demo_starpo.run(Path(args.out), mesh, args.preset or demo_starpo.DEMO_PRESET, overrides, config)
     return train(load_config(args.preset or "starpo-s-ppo", overrides), mesh, Path(args.out), allow_changes=allow)
 
 

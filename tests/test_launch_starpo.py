@@ -82,9 +82,22 @@ def test_preset_defaults_to_ppo_on_a_model_and_to_the_demo_preset_without_one(ch
     from launch import demo_starpo
     seen = {}
     monkeypatch.setattr(starpo, "train", lambda config, mesh, out, **_: seen.update(trainer=config))
-    monkeypatch.setattr(demo_starpo, "run", lambda out, mesh, preset, overrides: seen.update(demo=preset))
+    monkeypatch.setattr(demo_starpo, "run", lambda out, mesh, preset, overrides, config: seen.update(demo=preset))
     starpo.main(["--mesh", "1,-1,1", f"model_path={checkpoint}"])
     starpo.main(["--mesh", "1,-1,1"])
     assert seen["trainer"].algorithm.adv_estimator == "gae" and seen["demo"] == "starpo-s-grpo"
     starpo.main(["--preset", "starpo-s-ppo", "--mesh", "1,-1,1"])
     assert seen["demo"] == "starpo-s-ppo"
+
+
+def test_demo_size_fast_runs_the_test_configuration_and_needs_the_demo(checkpoint, monkeypatch):
+    """``--demo-size fast`` (what CI runs) hands the demo ``DemoConfig.fast()``; with ``model_path`` it is refused."""
+    from launch import demo_starpo
+    seen = {}
+    monkeypatch.setattr(demo_starpo, "run", lambda out, mesh, preset, overrides, config: seen.update(config=config))
+    starpo.main(["--mesh", "1,-1,1", "--demo-size", "fast"])
+    assert seen["config"] == demo_starpo.DemoConfig.fast()
+    starpo.main(["--mesh", "1,-1,1"])
+    assert seen["config"] == demo_starpo.DemoConfig()
+    with pytest.raises(SystemExit):
+        starpo.main(["--mesh", "1,-1,1", "--demo-size", "fast", f"model_path={checkpoint}"])

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from launch import evaluate, tdd
+from launch import evaluate, starpo, tdd
 from runtime.metrics import read_jsonl
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
 from runtime.run_folder import RunFolderError, RunLock
@@ -81,6 +81,8 @@ def test_starpo_and_evaluate_check_paths_and_steps_before_loading(checkpoint, tm
         train(tmp_path / "empty", tmp_path / "out", 1)
     with pytest.raises(ValueError, match="trainer.total_training_steps must be >= 1, got 0"):
         train(checkpoint, tmp_path / "out", 0)
+    with pytest.raises(SystemExit):  # the embedded demo has no recorded config to change
+        starpo.main(["--mesh", "1,-1,1", "--out", str(tmp_path / "out"), "--allow-change", "trainer.test_freq"])
     with pytest.raises(SystemExit):
         evaluate.main(["--preset", "tiny", f"model_path={checkpoint}", "--checkpoint", str(tmp_path / "typo"),
                        "--out", str(tmp_path / "eval.json")])

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from runtime.mesh import MeshConfig, make_mesh
 from starpo_jax.models.hf_io import check_model_folder, load_pretrained
+from tdd_jax.data import load_cache
 from tdd_jax.models.diffusers_io import load_vae
 from test_launch_starpo import checkpoint  # noqa: F401  (the tiny local Hugging Face checkpoint fixture)
 from test_tdd_models_io import pipeline_dir  # noqa: F401  (a tiny diffusers folder)
@@ -74,3 +75,18 @@ def test_damaged_diffusers_weights_name_the_file_and_tensor(pipeline_dir, tmp_pa
     save_file(tensors, path)
     with pytest.raises(ValueError, match=rf"tensor '{key}' in {path} has dtype int32, expected a floating type"):
         load_vae(str(tmp_path / "int"))
+
+
+def test_damaged_cache_file_is_named(tmp_path):
+    arrays = {"latents": np.zeros((2, 4, 4, 4), np.float32), "context": np.zeros((2, 3, 8), np.float32),
+              "time_ids": np.zeros((2, 6), np.float32)}
+    np.savez(tmp_path / "shard_00000.npz", **arrays)
+    np.savez(tmp_path / "empty_prompt.npz", context=np.zeros((1, 3, 8), np.float32))
+    assert load_cache(tmp_path)[0].latents.shape == (2, 4, 4, 4)
+    shard = tmp_path / "shard_00000.npz"
+    shard.write_bytes(shard.read_bytes()[:300])
+    with pytest.raises(ValueError, match=rf"cache file {shard} is corrupt or truncated"):
+        load_cache(tmp_path)
+    np.savez(shard, **{k: v for k, v in arrays.items() if k != "time_ids"})
+    with pytest.raises(ValueError, match=rf"cache file {shard} lacks the array\(s\) \['time_ids'\]"):
+        load_cache(tmp_path)

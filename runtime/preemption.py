@@ -33,7 +33,7 @@ class Preempted(SystemExit):
 
 
 class PreemptionHandler:
-    """Context manager that turns the given signals into a stop request."""
+    """Context manager that turns the given signals into a stop request (a second SIGINT interrupts at once)."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
         self.signals = signals
@@ -41,6 +41,8 @@ class PreemptionHandler:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            raise KeyboardInterrupt  # a second Ctrl-C does not wait for the step boundary
         self.received = signal.Signals(signum).name
 
     def requested(self) -> bool:

@@ -182,3 +182,13 @@ def test_a_stop_signal_is_named_and_exits_with_the_preemption_code(sig, caplog):
             raise preemption.stop("saved checkpoint 3 in /runs/x/checkpoints")
     assert stopped.value.code == PREEMPTED_EXIT_CODE == 75
     assert f"{sig.name}: saved checkpoint 3 in /runs/x/checkpoints; exiting with code 75" in caplog.text
+
+
+def test_a_second_sigint_interrupts_at_once():
+    with PreemptionHandler() as preemption:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+        assert preemption.received == "SIGINT"

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +95,19 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def set_aside(self, step: int) -> str:
-        """Moves checkpoint ``step`` to ``<directory>.unreadable/<step>`` (a free name); returns where it went."""
+        """Moves checkpoint ``step`` to ``<directory>.unreadable/<step>`` (a free name); returns where it went.
+
+        Process 0 moves it; on several processes all wait for the move before reading the steps again.
+        """
         aside = self.directory + ".unreadable"
-        os.makedirs(aside, exist_ok=True)
         target = os.path.join(aside, str(step))
         if os.path.exists(target):
             target += f".{time.time_ns()}"
-        os.replace(os.path.join(self.directory, str(step)), target)
+        if jax.process_index() == 0:
+            os.makedirs(aside, exist_ok=True)
+            os.replace(os.path.join(self.directory, str(step)), target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint step {step} set aside")
         self._manager.reload()
         return target
 

@@ -4,7 +4,7 @@
 
 Both sides run the same tiny SD1.5-like UNet with the same random weights and the same LoRA
 (ours: ``tdd_jax.models.lora``; theirs: our adapters exported with ``export_peft`` and loaded by
-diffusers' LoRA loader into peft layers), float32. The PyTorch step is written from spec §4 as the
+diffusers' LoRA loader into peft layers), float32. The PyTorch step is written from tdd.md §4 as the
 reference does it: student ε at t_{n+k} and DDIM jump to s; teacher = LoRA disabled, conditional and
 unconditional passes in one batch, CFG on x̂0 and ε (LCM form), DDIM step to t_n; target = student at
 t_n without gradient, jumped to s; pseudo-Huber loss; backward; grad-norm clip; AdamW.
@@ -74,7 +74,7 @@ def torch_unet_with_lora(folder, lora_file):
 
 
 def torch_distill_step(unet, optimizer, latents, context, uncond, draws, abar, config):
-    """One reference step (spec §4 steps 5-11) on NCHW tensors; returns (loss, pre-clip grad norm)."""
+    """One reference step (tdd.md §4 steps 5-11) on NCHW tensors; returns (loss, pre-clip grad norm)."""
     t_start, t_n, s, noise, w = draws
     col = lambda a: a.view(-1, 1, 1, 1)
     alpha, sigma = abar.sqrt(), (1.0 - abar).sqrt()

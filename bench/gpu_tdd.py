@@ -6,8 +6,8 @@
 
 The UNet has SD1.5's real config (block_out_channels 320/640/1280/1280, cross-attention dim 768,
 8 heads, 64×64 latents = 512×512 images) and random weights drawn on the host; LoRA rank 64,
-alpha 8 on the reference's target modules (spec §8); compute in bfloat16 with float32 master
-weights; ``DistillConfig`` defaults (spec §9) with the SD1.5 teacher's empty-prompt unconditional
+alpha 8 on the reference's target modules (tdd.md §8); compute in bfloat16 with float32 master
+weights; ``DistillConfig`` defaults (tdd.md §9) with the SD1.5 teacher's empty-prompt unconditional
 branch. Prints the compile time, the steady-state step time, images/s and the model FLOPs
 utilisation (MFU).
 

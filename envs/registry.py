@@ -1,10 +1,10 @@
 """RAGEN's environment registry (``custom_envs`` of ``config/envs.yaml``) and the one way a tag becomes an env.
 
-An entry names an environment type and the tag-level keys RAGEN reads off it (spec §14): the action
+An entry names an environment type and the tag-level keys RAGEN reads off it (starpo.md §14): the action
 budget ``max_actions_per_traj``, the ``env_instruction`` that opens the prompt, the ``max_tokens`` the
 prompt announces, and ``env_config``, keyword arguments of the type's constructor. As in RAGEN, the
-prompt's symbol legend and action list follow the type's defaults, not ``env_config`` (spec §4,
-decision 18): ``SokobanDifferentGridVocab`` draws ``W . G C B A @`` but lists the default symbols
+prompt's symbol legend and action list follow the type's defaults, not ``env_config`` (starpo.md §4,
+starpo.md §22.18): ``SokobanDifferentGridVocab`` draws ``W . G C B A @`` but lists the default symbols
 unless ``env_config`` sets ``legend_from_config=True``.
 """
 

@@ -104,7 +104,7 @@ class Sokoban(TextEnvironment):
             walk_budget=check_positive_int("walk_budget", walk_budget),
             tries=check_positive_int("tries", tries),
         )
-        # RAGEN lists the default legend whatever ``grid_lookup`` is (spec section 4);
+        # RAGEN lists the default legend whatever ``grid_lookup`` is (starpo.md §4);
         # ``legend_from_config=True`` lists this environment's own symbols instead.
         self.grid_vocab = grid_vocab_of(self.grid_lookup if legend_from_config else DEFAULT_GRID_LOOKUP)
 

@@ -1,6 +1,6 @@
 """RAGEN's prompt text and host-side response parsing (``ContextManager`` / ``EnvStateManager``).
 
-Everything here reproduces the reference character for character, quirks included (spec sections
+Everything here reproduces the reference character for character, quirks included (starpo.md sections
 4-6): the system prompt's trailing space, the legend and action lines of the first user message,
 the per-turn state block, ``str()`` of summed rewards, and the parsing and format-penalty rules.
 """

@@ -1,4 +1,4 @@
-"""Success and pass@k of a policy on RAGEN's environments and their variants (spec §14, §19).
+"""Success and pass@k of a policy on RAGEN's environments and their variants (starpo.md §14, §19).
 
     python -m launch.evaluate --preset sokoban-starpo-s-ppo model_path=runs/x/hf_model \\
         --envs SimpleSokoban,LargerSokoban,SokobanDifferentGridVocab,FrozenLake --states 128 --samples 16

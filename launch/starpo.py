@@ -42,6 +42,7 @@ from runtime.mesh import make_mesh
 from runtime.metrics import MetricWriter, ProgressBar
 from runtime.preemption import PreemptionHandler
 from runtime.run_folder import RunFolder
+from runtime.wandb_logger import WandbLogger
 from starpo_jax.config import EnvGroupsConfig, StarPOConfig
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
@@ -187,7 +188,11 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             return env_metrics(rows, traj.tag_ids, traj.scores, val_tags, "val")
 
         total = config.trainer.total_training_steps
-        with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out) as writer, \
+        wandb = None
+        if "wandb" in config.trainer.logger:
+            wandb = WandbLogger(config.trainer.project_name, config.trainer.experiment_name,
+                                dataclasses.asdict(config), out)
+        with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out, wandb=wandb) as writer, \
                 PreemptionHandler() as preemption:
             echo_trap = EchoTrapMonitor()
             restored, loop, start = run.resume(ckpt, {"actor": actor, "critic": critic}, total)

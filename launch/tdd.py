@@ -10,7 +10,7 @@
 shards) in ``<out>/cache``, trains LoRA adapters on the UNet with ``tdd_jax.distill``, writes metrics
 (``metrics.jsonl`` + TensorBoard) and checkpoints (resumed automatically, exactly; SIGTERM saves and
 exits) and finally the LoRA as ``<out>/lora.safetensors`` (kohya keys with ``.alpha``). Presets ``sdxl``
-and ``sd15`` carry the reference hyperparameters (spec §9); ``tiny`` is for tests.
+and ``sd15`` carry the reference hyperparameters (tdd.md §9); ``tiny`` is for tests.
 Options are ``key=value`` (or ``--key value``) overrides of the dataclasses below; bad values fail
 before anything is loaded or compiled, naming the field, file or key.
 """
@@ -83,7 +83,7 @@ DISTIL_PRESETS = {
     # train_tdd.sh: 16 per GPU x 8 GPUs x 4 accumulation steps, lr 1e-6, N_ddim 250, huber, p_empty 0.2, zeros.
     "sdxl": DistilRunConfig(),
     # train/SD15/train_tdd.py defaults (512 px, N_ddim 50, lr 1e-4, l2, wd 1e-2, encoded ""), but p_empty 0.2
-    # (spec §18.12); SDXL's batch.
+    # (tdd.md §18.12); SDXL's batch.
     "sd15": DistilRunConfig(resolution=512, distill=DistillConfig(
         num_ddim_timesteps=50, learning_rate=1e-4, loss_type="l2", adam_weight_decay=1e-2,
         teacher_uncond="empty_prompt", num_microbatches=4)),
@@ -95,7 +95,7 @@ DISTIL_PRESETS = {
 
 @dataclasses.dataclass(frozen=True)
 class SampleConfig:
-    """TDD sampling (spec §11-12) with a LoRA on the teacher; ``lora=""`` samples the teacher itself.
+    """TDD sampling (tdd.md §11-12) with a LoRA on the teacher; ``lora=""`` samples the teacher itself.
 
     ``guidance`` is the CFG scale on the distilled model (1: one pass, the distilled guidance).
     ``inference_uncond``: ``empty_prompt`` encodes ``negative_prompt``; ``zeros`` as stock SDXL pipelines.

@@ -12,8 +12,8 @@
 5. samples conditioned on every digit from the same initial noise: teacher DDIM (eta 0) with CFG 1 + w,
    students with the TDD sampler (eta, guidance 1: the distilled guidance); FD to the training digits, FD to
    the teacher's own many-step samples (how well a student reproduces what it was distilled from) and the
-   classifier's accuracy on the requested labels. Writes ``table.md``, ``table.json`` and PNG grids (one row
-   per digit) to ``out``.
+   classifier's accuracy on the requested labels. Writes ``table.md``, ``table.json``, PNG grids (one row
+   per digit, ``grids/tdd_eta0.2_4step.png``) and the side-by-side ``tdd_demo_4step.png`` to ``out``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from launch.tdd import sample_module
 from launch.tdd_loop import distil_loop
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_state
-from tdd_jax.data import save_image_grid
+from tdd_jax.data import save_image_grid, save_side_by_side
 from tdd_jax.digits import (EMPTY_LABEL, NUM_CLASSES, LabelEncoder, feature_stats, frechet_distance, from_latents,
                             load_digits_images, score_samples, split_digits, to_latents, train_classifier)
 from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile_distill_step, init_distill_state,
@@ -44,7 +44,7 @@ from tdd_jax.sampler import Conditioning, make_sampling_plan
 from tdd_jax.schedules import alphas_cumprod_from_config
 from tdd_jax.teacher import ConditionalDenoiser, init_module, train_denoiser
 
-# Stable Diffusion's schedule (spec §2).
+# Stable Diffusion's schedule (tdd.md §2).
 SD_SCHEDULER = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
                 "num_train_timesteps": 1000, "prediction_type": "epsilon"}
 DEMO_DISTILL = DistillConfig(num_ddim_timesteps=50, w_min=0.0, w_max=0.0, learning_rate=1e-4,
@@ -186,22 +186,25 @@ def run_demo(config: DemoConfig) -> list[dict]:
     key = jax.random.key(config.seed + 2)
     n_ddim = config.distill.num_ddim_timesteps
 
-    def evaluate(method: str, module: nnx.Module, steps: int, eta: float, guidance: float | None):
+    panels = {}  # (file stem, steps) -> the grid's images, for the side-by-side figure
+
+    def evaluate(method: str, stem: str, module: nnx.Module, steps: int, eta: float, guidance: float | None):
         plan = make_sampling_plan(abar, steps, eta, n_ddim)
         graphdef, state = nnx.split(module)
         latents_0 = sample_module(graphdef, state, x_T, cond, empty if guidance else None, plan, guidance or 1.0, key)
         images = np.clip(from_latents(np.asarray(latents_0)), -1.0, 1.0)
         scores = score_samples(classifier, images, labels, real)
         grid = images.reshape(NUM_CLASSES, config.samples_per_class, *images.shape[1:])[:, :10]
-        save_image_grid(grid.reshape(-1, *images.shape[1:]), out / "grids" / f"{method}-{steps}.png",
-                        columns=grid.shape[1])
+        panels[stem, steps] = grid.reshape(-1, *images.shape[1:])
+        save_image_grid(panels[stem, steps], out / "grids" / f"{stem}_{steps}step.png", columns=grid.shape[1])
         rows.append({"method": method, "steps": steps, **scores._asdict()})
         features.append(images)
         print(f"{method}-{steps}: FD {scores.fd:.2f}, accuracy {100 * scores.accuracy:.1f}%", flush=True)
 
     teacher_guidance = 1.0 + config.distill.w_min
+    teacher_stem = f"teacher_ddim_cfg{teacher_guidance:g}"
     for steps in config.teacher_sampling_steps:
-        evaluate(f"teacher DDIM (CFG {teacher_guidance:g})", model.unet, steps, 0.0,
+        evaluate(f"teacher DDIM (CFG {teacher_guidance:g})", teacher_stem, model.unet, steps, 0.0,
                  teacher_guidance if teacher_guidance > 1.0 else None)
     timings["teacher sampling"] = time.perf_counter() - clock - sum(timings.values())
 
@@ -212,9 +215,14 @@ def run_demo(config: DemoConfig) -> list[dict]:
         final_losses[selector] = last.get("loss")
         timings[f"distil {selector}"] = time.perf_counter() - clock - sum(timings.values())
         for steps in config.student_sampling_steps:
-            evaluate(f"{selector.upper()} (eta {config.eta:g})", student, steps, config.eta, None)
+            evaluate(f"{selector.upper()} (eta {config.eta:g})", f"{selector}_eta{config.eta:g}", student, steps,
+                     config.eta, None)
         timings[f"sample {selector}"] = time.perf_counter() - clock - sum(timings.values())
 
+    few = min(config.student_sampling_steps, key=lambda n: (abs(n - 4), n))
+    figure = [panels[teacher_stem, config.teacher_sampling_steps[0]]]
+    figure += [panels[f"{selector}_eta{config.eta:g}", few] for selector in config.selectors]
+    save_side_by_side(figure, out / f"tdd_demo_{few}step.png", columns=min(10, config.samples_per_class))
     embed = lambda images: np.asarray(classifier.embed(jnp.asarray(images)))
     teacher_samples = feature_stats(embed(features[1]))  # the teacher's first (most-step) sampling row
     for row, images in zip(rows, features):

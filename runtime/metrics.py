@@ -15,7 +15,11 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
 from tensorboardX import SummaryWriter
+
+from runtime.console import CONSOLE
+from runtime.wandb_logger import WandbLogger
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -37,11 +41,14 @@ class MetricWriter:
       logdir: folder for both outputs; created if missing.
       tensorboard: also write TensorBoard event files.
       enabled: defaults to ``jax.process_index() == 0``.
+      wandb: an optional ``runtime.wandb_logger.WandbLogger`` that gets every row too (closed with the writer).
     """
 
-    def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None):
+    def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None,
+                 wandb: WandbLogger | None = None):
         self.logdir = os.fspath(logdir)
         self.path = os.path.join(self.logdir, "metrics.jsonl")
+        self._wandb = wandb
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.tensorboard = tensorboard
         self._jsonl = None
@@ -63,6 +70,8 @@ class MetricWriter:
         if self._tb is not None:
             for name, value in scalars.items():
                 self._tb.add_scalar(name, value, global_step=int(step))
+        if self._wandb is not None:
+            self._wandb.write(step, scalars)
         return scalars
 
     def discard_after(self, step: int) -> None:
@@ -89,6 +98,9 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> "MetricWriter":
         return self
@@ -118,21 +130,29 @@ class ProgressBar:
     """A progress bar with the latest metrics, shown on process 0 only (``total=None``: unknown length).
 
     Use as a context manager: ``with ProgressBar(total, "train") as bar: bar.update(step, metrics)``.
+    Drawn on ``runtime.console.CONSOLE``, so log records print above it. The bar, counts and times keep
+    their width in a narrow (80-column) terminal; the metrics, shown by their last name part
+    (``train/success`` as ``success``), are cut with an ellipsis instead.
     """
 
     def __init__(self, total: int | None, description: str = "", *, keys: tuple[str, ...] = (), start: int = 0):
         self.keys = keys
+        fixed = lambda width=None: Column(no_wrap=True, min_width=width)
+        counts = len(f"{total}/{total}") if total is not None else 7
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
-            disable=jax.process_index() != 0,
+            TextColumn("[bold]{task.description}", table_column=fixed()),
+            BarColumn(bar_width=20, table_column=fixed(20)), MofNCompleteColumn(table_column=fixed(counts)),
+            TimeElapsedColumn(table_column=fixed(7)), TimeRemainingColumn(table_column=fixed(7)),
+            TextColumn("{task.fields[metrics]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+            console=CONSOLE, expand=True, disable=jax.process_index() != 0,
         )
         self._task = self._progress.add_task(description, total=total, completed=start, metrics="")
 
     def update(self, completed: int, metrics: Mapping[str, float] | None = None) -> None:
         shown = ""
         if metrics:
-            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in (self.keys or tuple(metrics)) if k in metrics)
+            shown = "  ".join(f"{k.rsplit('/', 1)[-1]}={metrics[k]:.4g}"
+                              for k in (self.keys or tuple(metrics)) if k in metrics)
         self._progress.update(self._task, completed=completed, metrics=shown)
 
     def __enter__(self) -> "ProgressBar":

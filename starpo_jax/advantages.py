@@ -1,7 +1,7 @@
-"""Advantage estimators of StarPO (spec §8): token-level GAE, GRPO broadcast, bi-level GAE, KL-in-reward.
+"""Advantage estimators of StarPO (starpo.md §8): token-level GAE, GRPO broadcast, bi-level GAE, KL-in-reward.
 
 Every function takes token-aligned ``(batch, length)`` arrays in the reference
-layout of §7 (position ``j`` scores token ``j + 1``) and returns
+layout of starpo.md §7 (position ``j`` scores token ``j + 1``) and returns
 ``(advantages, returns)`` or rewards; all are jittable with static shapes.
 """
 
@@ -39,7 +39,7 @@ def _reverse_scan_over_time(step, carry, *sequences):
 
 def compute_gae_advantage_return(token_level_rewards: jax.Array, values: jax.Array, loss_mask: jax.Array,
                                  gamma: float, lam: float) -> AdvantageReturn:
-    """Token-level GAE with global masked whitening (verl ``compute_gae_advantage_return``, §8.1).
+    """Token-level GAE with global masked whitening (verl ``compute_gae_advantage_return``, starpo.md §8.1).
 
     ``δ_t = r_t + γ·V_{t+1} − V_t`` (``V_T = 0``), ``A_t = δ_t + γλ·A_{t+1}``, run over every
     position, masked ones included; ``returns = A + V``; then ``A`` is whitened over
@@ -68,7 +68,7 @@ def compute_gae_advantage_return(token_level_rewards: jax.Array, values: jax.Arr
 
 
 def compute_grpo_outcome_advantage(token_level_rewards: jax.Array, loss_mask: jax.Array) -> AdvantageReturn:
-    """GRPO advantages as RAGEN runs them (§8.2): the normalised score broadcast over the loss mask.
+    """GRPO advantages as RAGEN runs them (starpo.md §8.2): the normalised score broadcast over the loss mask.
 
     Scores are already group-normalised by ``starpo_jax.scores.normalize_scores``; verl's
     GRPO then sees groups of size 1 (mean 0, std 1), so ``A_{i,t} = Σ_t r_{i,t} · mask_{i,t}``.
@@ -89,7 +89,7 @@ def weight_advantages_by_length(advantages: jax.Array, loss_mask: jax.Array) -> 
 def compute_bi_level_gae_advantage_return(token_level_rewards: jax.Array, values: jax.Array,
                                           loss_mask: jax.Array, gamma: float, lam: float,
                                           high_level_gamma: float) -> AdvantageReturn:
-    """Turn-level then token-level GAE (RAGEN HEAD ``compute_bi_level_gae_advantage_return``, §8.3).
+    """Turn-level then token-level GAE (RAGEN HEAD ``compute_bi_level_gae_advantage_return``, starpo.md §8.3).
 
     Turn ends ``e_i`` are the positions with a non-zero reward. High level, backwards over turn
     ends: ``δ_i = r_{e_i} + γ_H·V[e_{i+1}] − V[e_i]``, ``A_{e_i} = δ_i + γ_H·λ·A_{e_{i+1}}`` and the
@@ -138,7 +138,7 @@ def compute_bi_level_gae_advantage_return(token_level_rewards: jax.Array, values
 
 def apply_kl_penalty(token_level_scores: jax.Array, old_log_probs: jax.Array, ref_log_probs: jax.Array,
                      loss_mask: jax.Array, kl_coef: float, kl_penalty_type: str = "kl") -> KLRewardOutput:
-    """KL-in-reward with a fixed controller (verl ``apply_kl_penalty``, §10 KL placement).
+    """KL-in-reward with a fixed controller (verl ``apply_kl_penalty``, starpo.md §10 KL placement).
 
     ``rewards = scores − β·KL(old, ref)·mask``; the logged KL is the batch mean of each
     sequence's masked mean KL, as ``actor/reward_kl_penalty`` with ``β`` as ``..._coeff``.
@@ -157,7 +157,7 @@ ADVANTAGE_ESTIMATORS = ("gae", "grpo")
 def compute_advantage(adv_estimator: str, token_level_rewards: jax.Array, values: jax.Array | None,
                       loss_mask: jax.Array, *, gamma: float = 1.0, lam: float = 1.0, bi_level_gae: bool = False,
                       high_level_gamma: float = 0.95, grpo_length_weight: bool = False) -> AdvantageReturn:
-    """Advantages as RAGEN's ``compute_advantage`` picks them from ``algorithm.*`` (§8, §9 step 9).
+    """Advantages as RAGEN's ``compute_advantage`` picks them from ``algorithm.*`` (starpo.md §8, §9 step 9).
 
     ``gae`` runs token-level GAE, or bi-level GAE with ``bi_level_gae``; ``grpo`` broadcasts the
     normalised score, divided by the relative length with ``grpo_length_weight``.

@@ -1,9 +1,9 @@
-"""Typed StarPO configuration with RAGEN's key names and defaults (spec §16, §20, §22).
+"""Typed StarPO configuration with RAGEN's key names and defaults (starpo.md §16, §20, §22).
 
 The tree mirrors RAGEN's Hydra config (``base.yaml`` + verl's ``ppo_trainer.yaml``), so a
 RAGEN override such as ``actor_rollout_ref.actor.clip_ratio_high=0.2`` means the same thing
 here. Defaults are StarPO-S (PPO with critic, top 25% of groups by reward std, clip
-0.2 / 0.28, no KL) with the decisions of §22. Every config is a frozen dataclass; ``validate``
+0.2 / 0.28, no KL) with the choices of starpo.md §22. Every config is a frozen dataclass; ``validate``
 checks types and cross-field rules, naming the field, before anything compiles.
 ``starpo_jax.presets`` composes the named algorithms from RAGEN-style ``key=value`` overrides
 (parsed by ``runtime.config``; booleans take explicit values, ``use_kl_loss=True``, as in Hydra).
@@ -25,6 +25,7 @@ import tyro
 import envs
 from envs.base import TextEnvironment
 from envs.registry import CUSTOM_ENVS, ENV_TYPES, EnvEntry, env_config_types
+from runtime.wandb_logger import LOGGERS, check_loggers
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
 from starpo_jax.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
@@ -32,7 +33,7 @@ from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
 
 @dataclass(frozen=True)
 class SeedConfig:
-    """HEAD seeding (decision 16): train seeds start at 10000 and advance by ``env_groups``."""
+    """HEAD seeding (starpo.md §22.16): train seeds start at 10000 and advance by ``env_groups``."""
 
     train: int = 10000
     val: int = 123
@@ -40,7 +41,7 @@ class SeedConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA adapters; rank 0 is full fine-tuning (decision 29)."""
+    """LoRA adapters; rank 0 is full fine-tuning (starpo.md §22.29)."""
 
     rank: int = 0
     alpha: int = 64
@@ -49,7 +50,7 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with a constant learning rate and no warmup (§10)."""
+    """AdamW with a constant learning rate and no warmup (starpo.md §10)."""
 
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -81,7 +82,7 @@ class ActorConfig:
 
 @dataclass(frozen=True)
 class ValKwargs:
-    """Validation sampling: sampled at temperature 0.5 (§15)."""
+    """Validation sampling: sampled at temperature 0.5 (starpo.md §15)."""
 
     do_sample: bool = True
     temperature: float = 0.5
@@ -104,7 +105,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RefConfig:
-    """``actor_rollout_ref.ref``; the reference pass is skipped when no KL term is active (decision 9)."""
+    """``actor_rollout_ref.ref``; the reference pass is skipped when no KL term is active (starpo.md §22.9)."""
 
     force_ref_log_prob: bool = False
 
@@ -137,7 +138,7 @@ class KlCtrlConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """Advantage estimator and KL-in-reward (explicit HEAD flag, decision 8)."""
+    """Advantage estimator and KL-in-reward (explicit HEAD flag, starpo.md §22.8)."""
 
     gamma: float = 1.0
     lam: float = 1.0
@@ -162,6 +163,7 @@ class TrainerConfig:
     balance_batch: bool = True
     critic_warmup: int = 0
     max_consecutive_non_finite: int = 5  # stop (after saving) when this many updates in a row were skipped
+    logger: tuple[Literal[LOGGERS], ...] = ("console",)  # RAGEN's [console,wandb]; wandb is optional
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ class EsManagerConfig:
 
 @dataclass(frozen=True)
 class StarPOConfig:
-    """Top level of RAGEN's ``base.yaml`` plus the switches of decisions 3 and 10."""
+    """Top level of RAGEN's ``base.yaml`` plus the switches of starpo.md §22.3, §22.10."""
 
     model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     micro_batch_size_per_gpu: int = 4
@@ -410,7 +412,7 @@ def _validate_rollout(config: StarPOConfig) -> None:
         _require(not host_only, f"agent_proxy.rollout_driver=fused steps JAX environments on device; {host_only} "
                                 f"are host-only (Countdown): use agent_proxy.rollout_driver=host")
         _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True "
-                                              "(it trains on the ids the decoder saw, decision 10)")
+                                              "(it trains on the ids the decoder saw, starpo.md §22.10)")
         _require(proxy.max_context_window == -1,
                  "agent_proxy.rollout_driver=fused does not support agent_proxy.max_context_window: the cut history "
                  "is re-rendered each turn, so the trajectory is not the one sampled id sequence the fused driver "
@@ -427,6 +429,7 @@ def validate(config: StarPOConfig) -> StarPOConfig:
                                                        f"got {config.trainer.total_training_steps}")
     _require(config.trainer.max_consecutive_non_finite >= 1, f"trainer.max_consecutive_non_finite must be >= 1, "
                                                              f"got {config.trainer.max_consecutive_non_finite}")
+    check_loggers(config.trainer.logger)
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
     _validate_custom_envs(config)

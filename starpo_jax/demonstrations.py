@@ -1,4 +1,4 @@
-"""Scripted demonstrations for the supervised warm-up, in RAGEN's response format (spec §4, §5).
+"""Scripted demonstrations for the supervised warm-up, in RAGEN's response format (starpo.md §4, §5).
 
 A demonstrator plays one slot (``starpo_jax.env_manager``) to the end with
 responses ``<think>…</think><answer>a1 || a2</answer>``: on FrozenLake the thought names

@@ -1,4 +1,4 @@
-"""Host-side environment state manager: one slot per trajectory (RAGEN ``EnvStateManager``, spec §6).
+"""Host-side environment state manager: one slot per trajectory (RAGEN ``EnvStateManager``, starpo.md §6).
 
 A slot holds one environment instance, its group and tag, the turn history that
 ``starpo_jax.trajectory.render_chat`` renders, the accumulated format penalty and
@@ -111,7 +111,7 @@ class Slot:
 
     @property
     def turn_scores(self) -> list[float]:
-        """Each played turn's summed env reward (RAGEN HEAD ``use_turn_scores``, §7)."""
+        """Each played turn's summed env reward (RAGEN HEAD ``use_turn_scores``, starpo.md §7)."""
         return [float(sum(turn)) for turn in self.turn_rewards]
 
 
@@ -150,7 +150,7 @@ def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: 
 
 
 def apply_context_window(slot: Slot, window: int) -> None:
-    """Keeps the last ``window`` history entries (RAGEN HEAD ``max_context_window``, spec §5); -1 keeps all.
+    """Keeps the last ``window`` history entries (RAGEN HEAD ``max_context_window``, starpo.md §5); -1 keeps all.
 
     The cut is written back, so the training sequence, the score and the env metrics cover only
     the retained turns; each played entry's info and rewards go with it.
@@ -161,7 +161,7 @@ def apply_context_window(slot: Slot, window: int) -> None:
 
 
 def slot_metrics(slot: Slot) -> dict[str, float]:
-    """RAGEN's per-trajectory env metrics: success, num_actions and the turn-averaged info flags (§19)."""
+    """RAGEN's per-trajectory env metrics: success, num_actions and the turn-averaged info flags (starpo.md §19)."""
     infos = slot.turn_infos or [{}]
     return {
         "success": float(slot.success),

@@ -1,4 +1,4 @@
-"""StarPO-S rollout filter: keep the initial-state groups with the most reward variance (spec §11).
+"""StarPO-S rollout filter: keep the initial-state groups with the most reward variance (starpo.md §11).
 
 Paper eq. 7 ranks each initial state ``s_0`` by ``U = Std_τ[R(τ)]`` over its ``group_size``
 rollouts and keeps the top ``p`` of groups (``std``) or the bottom (``std_rev``). The number of
@@ -45,7 +45,7 @@ def filter_groups_by_reward_std(scores: jax.Array, ratio: float, filter_type: st
                                 drop_zero_std: bool = False) -> GroupFilter:
     """Ranks groups by the unbiased std of their trajectory scores and keeps ``floor(ratio · G)``.
 
-    Ties are broken by group id (lower first) for both filter types (decision 13); zero-std groups
+    Ties are broken by group id (lower first) for both filter types (starpo.md §22.13); zero-std groups
     fill the remaining slots unless ``drop_zero_std``, which zeroes their ``sample_mask`` (std ≤ 1e-6).
     ``ratio == 1`` keeps every group; it also accepts ``group_size`` 1, whose std is reported as 0
     (the reference logs NaN).

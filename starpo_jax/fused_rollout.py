@@ -1,4 +1,4 @@
-"""Fused multi-turn rollout (spec §3): a whole episode of JAX environments in one compiled program.
+"""Fused multi-turn rollout (starpo.md §3): a whole episode of JAX environments in one compiled program.
 
 Each turn, inside one ``lax.while_loop``, builds every active row's next segment from
 pre-tokenized pieces, decodes it with ``starpo_jax.sampler`` (the KV cache kept across
@@ -7,7 +7,7 @@ vmapped environments with RAGEN's rules (``starpo_jax.env_manager.run_turn``) an
 the counters the host driver keeps in its slots.
 
 The trajectory is the exact id sequence the decoder saw (``train_on_sampled_ids``,
-decision 10): generated ids are never re-tokenized. The fed text is cut into pieces at
+starpo.md §22.10): generated ids are never re-tokenized. The fed text is cut into pieces at
 the variable parts — the chat up to the first state, the turn-end and user header up to
 ``Reward:\\n{total}\\n``, ``\\nTurn k:\\nState:\\n``, the state, ``You have N actions left…``
 through the forced ``<think>`` — and each piece is tokenized on its own. The host driver

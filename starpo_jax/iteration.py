@@ -1,4 +1,4 @@
-"""One StarPO update from a rollout, composed from the pure pieces (spec §9).
+"""One StarPO update from a rollout, composed from the pure pieces (starpo.md §9).
 
 normalise scores → filter groups by reward std → old / reference log-probs and
 values → token rewards (KL-in-reward optional) → advantages → critic steps →
@@ -95,10 +95,10 @@ def build_learner(config: StarPOConfig, policy: nnx.Module, critic: nnx.Module |
 
 
 def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tuple[Trajectory, jax.Array, dict]:
-    """Normalised scores on the full batch, then the StarPO-S group filter (§8.2, §11).
+    """Normalised scores on the full batch, then the StarPO-S group filter (starpo.md §8.2, §11).
 
     Returns the kept rows (group-major), their normalised scores and the filter metrics. The
-    filter ranks ``score + penalty`` before normalisation (decision 12).
+    filter ranks ``score + penalty`` before normalisation (starpo.md §22.12).
     """
     groups = config.es_manager.train
     norm = config.agent_proxy.reward_normalization
@@ -143,7 +143,7 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
     if critic is not None:
         values = learner.values(critic.params, learner.critic_frozen, ids, mask) * loss_mask
 
-    if config.agent_proxy.use_turn_scores:  # HEAD: per-turn rewards, not normalised, so no format penalty (§7)
+    if config.agent_proxy.use_turn_scores:  # HEAD: per-turn rewards, unnormalised, so no format penalty (starpo.md §7)
         rewards = jnp.asarray(batch.turn_rewards)
     else:
         rewards = place_scores_on_last_token(normalized, loss_mask.shape[1])

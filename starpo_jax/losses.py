@@ -1,4 +1,4 @@
-"""Actor and critic losses of StarPO (spec §10): decoupled/dual clip, entropy, KL, value clipping.
+"""Actor and critic losses of StarPO (starpo.md §10): decoupled/dual clip, entropy, KL, value clipping.
 
 Inputs are what an actor or critic step holds: ``(B, T)`` log-probs of the trained
 tokens under the current, old (recomputed) and reference policies, advantages,
@@ -37,7 +37,7 @@ def loss_normalizer(loss_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
     ``token-mean``: the number of masked tokens (+1e-8, verl ``masked_mean``); ``seq-mean-*``:
     the number of sequences with at least one masked token; ``seq-mean-token-sum-norm``: ``T``.
     Computed once over a whole mini-batch and passed to each micro-batch's loss, it makes the
-    sum of the micro-batch losses equal the mini-batch loss (decision 5).
+    sum of the micro-batch losses equal the mini-batch loss (starpo.md §22.5).
     """
     _check_loss_agg_mode(loss_agg_mode)
     loss_mask = jnp.asarray(loss_mask, jnp.float32)
@@ -50,7 +50,7 @@ def loss_normalizer(loss_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
 
 def aggregate_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str,
                    normalizer: jax.Array | None = None) -> jax.Array:
-    """Reduces a ``(B, T)`` per-token loss to a scalar (verl ``agg_loss``, decision 5).
+    """Reduces a ``(B, T)`` per-token loss to a scalar (verl ``agg_loss``, starpo.md §22.5).
 
     ``token-mean``: masked mean over all tokens; ``seq-mean-token-mean``: mean over sequences of
     each sequence's masked token mean (eq. 4); ``seq-mean-token-sum``: mean over sequences of the
@@ -72,7 +72,7 @@ def decoupled_clip_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantag
                         loss_mask: jax.Array, clip_ratio_low: float, clip_ratio_high: float,
                         clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "seq-mean-token-mean",
                         normalizer: jax.Array | None = None) -> LossOutput:
-    """PPO clipped surrogate with decoupled ε_low/ε_high and optional dual clip (§10, verl ``compute_policy_loss``).
+    """PPO clipped surrogate, decoupled ε_low/ε_high, dual clip (starpo.md §10, verl ``compute_policy_loss``).
 
     ``ρ = exp(logp − old_logp)``, ``L = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))``; with dual
     clip, tokens with ``A < 0`` use ``min(L, −A·c)``. Metrics: ``actor/pg_loss``,
@@ -137,7 +137,7 @@ def actor_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.A
                clip_ratio_high: float, clip_ratio_c: float | None, entropy_coeff: float, use_kl_loss: bool,
                kl_loss_coef: float, kl_loss_type: str = "kl",
                loss_agg_mode: str = "seq-mean-token-mean", normalizer: jax.Array | None = None) -> LossOutput:
-    """StarPO policy objective (§10): ``pg_loss − entropy_coeff·H + kl_loss_coef·KL(π, π_ref)``.
+    """StarPO policy objective (starpo.md §10): ``pg_loss − entropy_coeff·H + kl_loss_coef·KL(π, π_ref)``.
 
     The entropy and KL terms use the same aggregation as the policy-gradient term. Adds
     ``actor/entropy_loss`` (positive mean entropy) and, with the KL loss, ``actor/kl_loss`` and
@@ -162,7 +162,7 @@ def actor_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.A
 def clipped_value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, loss_mask: jax.Array,
                        cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
                        normalizer: jax.Array | None = None) -> LossOutput:
-    """Critic loss with value clipping (§10, verl ``compute_value_loss``).
+    """Critic loss with value clipping (starpo.md §10, verl ``compute_value_loss``).
 
     ``vf = ½·agg(max((V − R)², (clip(V, V_old − c, V_old + c) − R)²))``. Metrics:
     ``critic/vf_loss``, ``critic/vf_clipfrac`` (fraction where the clipped error is larger) and

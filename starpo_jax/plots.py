@@ -4,7 +4,7 @@ Panels: success per environment (training rollouts, raw and EMA-smoothed as in
 the paper's curves, and held-out validation),
 trajectory reward mean ± std per environment, in-group reward std (all groups
 and the groups StarPO-S keeps), the actor's gradient norm and its token entropy —
-the signals the paper reads the collapse from (spec §19). Written with
+the signals the paper reads the collapse from (starpo.md §19). Written with
 matplotlib's Agg backend, so no display is needed.
 """
 

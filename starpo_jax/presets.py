@@ -1,12 +1,12 @@
-"""Named StarPO algorithms and RAGEN's paper runs as compositions of ``key=value`` overrides (spec §12, §17).
+"""Named StarPO algorithms and RAGEN's paper runs as compositions of ``key=value`` overrides (starpo.md §12, §17).
 
 The flag sets are those of RAGEN's ``train_all.sh`` (``USE_PPO``, ``USE_GRPO``, ``USE_BASE``);
 StarPO-S is the default config, vanilla StarPO adds ``USE_BASE``, and the paper's ablations
 add one more flag set each. A paper recipe is an environment flag set (RAGEN's
 ``_1_bandit`` / ``_2_sokoban`` / ``_3_frozen_lake`` / ``_4_countdown`` configs) followed by an
-algorithm, named ``{env}-{algorithm}``; the rollout-shaping studies of §17 are named
+algorithm, named ``{env}-{algorithm}``; the rollout-shaping studies of starpo.md §17 are named
 ``sokoban-pxn-{P}x{N}``, ``sokoban-actions{k}`` and ``sokoban-online{k}``, the generalisation
-runs of §14.1 and Table 4 ``sokoban-generalization*`` and ``bandit-generalization*``. ``load_config``
+runs of starpo.md §14.1 and Table 4 ``sokoban-generalization*`` and ``bandit-generalization*``. ``load_config``
 resolves a preset plus user overrides into a validated ``StarPOConfig``; ``parse_args`` does the
 same for a command line in RAGEN's form ``--preset starpo-s-grpo actor_rollout_ref.actor.clip_ratio_high=0.2 ...``.
 ``MESH_PRESETS`` names the ``--mesh`` value (data, fsdp, tensor) for common accelerators.
@@ -29,12 +29,12 @@ USE_GRPO = ("algorithm.adv_estimator=grpo", "agent_proxy.reward_normalization.me
             "actor_rollout_ref.actor.use_kl_loss=True")
 USE_BASE = ("algorithm.kl_ctrl.kl_coef=0.001", "actor_rollout_ref.actor.kl_loss_coef=0.001",
             "actor_rollout_ref.actor.clip_ratio_high=0.2", "actor_rollout_ref.rollout.rollout_filter_ratio=1")
-# PAPER applied KL-in-reward whenever use_kl_loss was False (decision 8): vanilla PPO runs had it.
+# PAPER applied KL-in-reward whenever use_kl_loss was False (starpo.md §22.8): vanilla PPO runs had it.
 PAPER_KL_IN_REWARD = ("algorithm.use_kl_in_reward=True",)
 CLIP_HIGHER = ("actor_rollout_ref.actor.clip_ratio_high=0.28",)
 NO_KL = ("algorithm.kl_ctrl.kl_coef=0.0", "actor_rollout_ref.actor.kl_loss_coef=0.0")
 USE_LORA = ("lora.rank=64", "lora.alpha=64", "actor_rollout_ref.actor.optim.lr=1e-5", "critic.optim.lr=1e-4")
-# RAGEN README's recipe for GPUs smaller than an 80 GB A100 (e.g. a 24 GB RTX 4090), spec §16.
+# RAGEN README's recipe for GPUs smaller than an 80 GB A100 (e.g. a 24 GB RTX 4090), starpo.md §16.
 LOW_MEMORY = ("micro_batch_size_per_gpu=1", "ppo_mini_batch_size=8", "actor_rollout_ref.rollout.max_model_len=2048",
               "actor_rollout_ref.rollout.response_length=128")
 NO_THINK = ("agent_proxy.enable_think=False",)
@@ -44,7 +44,7 @@ TINY = ("es_manager.train.env_groups=4", "es_manager.train.group_size=4", "es_ma
         "actor_rollout_ref.rollout.response_length=32", "actor_rollout_ref.rollout.max_model_len=512",
         "agent_proxy.max_turn=2", "trainer.total_training_steps=2", "trainer.test_freq=1")
 
-# RAGEN's per-environment configs (config/_1_bandit.yaml ... _4_countdown.yaml; spec §14).
+# RAGEN's per-environment configs (config/_1_bandit.yaml ... _4_countdown.yaml; starpo.md §14).
 BANDIT = ("agent_proxy.max_turn=1", "agent_proxy.max_actions_per_turn=1",
           "actor_rollout_ref.rollout.response_length=500", "es_manager.train.env_configs.tags=[Bandit]",
           "es_manager.val.env_groups=512", "es_manager.val.env_configs.tags=[Bandit,BanditTest]",
@@ -69,7 +69,7 @@ def bandit_arms(train: tuple[str, str], test: tuple[str, str]) -> tuple[str, ...
                  for tag, names in (("Bandit", train), ("BanditTest", test)) for arm, name in zip(("lo", "hi"), names))
 
 
-# train_all.sh's Bandit generalisation runs (spec §14.1): train on Engineer / Teacher, validate on
+# train_all.sh's Bandit generalisation runs (starpo.md §14.1): train on Engineer / Teacher, validate on
 # Trader / Librarian; the "Rev" runs swap low and high arm in both.
 BANDIT_GENERALIZATION = BANDIT + bandit_arms(("Engineer", "Teacher"), ("Trader", "Librarian"))
 BANDIT_GENERALIZATION_REV = BANDIT + bandit_arms(("Teacher", "Engineer"), ("Librarian", "Trader"))
@@ -116,7 +116,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "starpo-s-ppo-lora": USE_PPO + USE_LORA,
     "starpo-s-ppo-24gb": USE_PPO + USE_LORA + LOW_MEMORY,
 }
-# Every environment gets the four algorithms and the LoRA / 24 GB variants; the ablations (§12, Fig. 7, Fig. 8)
+# Every environment gets the four algorithms and the LoRA / 24 GB variants; the ablations (starpo.md §12, Figs. 7-8)
 # ran on Sokoban and FrozenLake.
 MAIN_ALGORITHMS = ("starpo-ppo", "starpo-grpo", "starpo-s-ppo", "starpo-s-grpo", "starpo-s-ppo-lora",
                    "starpo-s-ppo-24gb")

@@ -1,12 +1,12 @@
-"""Host-driven multi-turn rollout (spec §3): compiled decoding per turn, Python parse and env step.
+"""Host-driven multi-turn rollout (starpo.md §3): compiled decoding per turn, Python parse and env step.
 
 Each turn decodes every active row with the compiled sampler, continuing one KV
 cache across turns: turn 1 feeds the whole prompt, later turns only the text
 that follows the previous response (its turn end, the Reward message and the
 next state, up to the forced ``<think>``). Responses are parsed with RAGEN's
 rules and executed by ``starpo_jax.env_manager``. The training sequence of each
-trajectory is either RAGEN's re-rendered chat (default, spec §5) or exactly the
-fed and sampled token ids (``train_on_sampled_ids``, decision 10).
+trajectory is either RAGEN's re-rendered chat (default, starpo.md §5) or exactly the
+fed and sampled token ids (``train_on_sampled_ids``, starpo.md §22.10).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def pack_trajectory(tokenizer: Any, slots: list[Slot], settings: RolloutSettings
                     sequences: Sequence[Sequence[int]] | None = None) -> Trajectory:
     """Played slots as one left-padded training sequence each, with loss mask, scores and groups.
 
-    ``sequences`` defaults to RAGEN's re-rendered training chat of every slot (spec §5).
+    ``sequences`` defaults to RAGEN's re-rendered training chat of every slot (starpo.md §5).
     """
     if sequences is None:
         sequences = [tokenizer.encode(render_text(tokenizer, render_chat(

@@ -1,4 +1,4 @@
-"""Trajectory scores: format penalty, group normalisation and token placement (spec §7, §8.2).
+"""Trajectory scores: format penalty, group normalisation and token placement (starpo.md §7, §8.2).
 
 RAGEN normalises the summed trajectory reward per group inside the context
 manager, before filtering (``ContextManager._normalize_score_tensor``), and puts
@@ -31,7 +31,7 @@ def normalization_group_ids(grouping: str, group_ids: jax.Array, tag_ids: jax.Ar
 
 def normalize_scores(scores: jax.Array, penalty: jax.Array, group_ids: jax.Array, num_groups: int,
                      method: str) -> jax.Array:
-    """Adds the format penalty, then normalises within groups (§8.2).
+    """Adds the format penalty, then normalises within groups (starpo.md §8.2).
 
     ``mean``: ``x − mean_g``; ``mean_std``: ``(x − mean_g) / (std_g + 1e-6)`` with the unbiased
     std, or 0 when ``std_g ≤ 1e-6`` (also for a group of one); ``asym_clip``: ``mean_std``
@@ -67,14 +67,14 @@ def normalize_scores(scores: jax.Array, penalty: jax.Array, group_ids: jax.Array
 
 
 def place_scores_on_last_token(scores: jax.Array, num_positions: int) -> jax.Array:
-    """``(B, num_positions)`` token rewards holding each trajectory's score on the last position (§7)."""
+    """``(B, num_positions)`` token rewards holding each trajectory's score on the last position (starpo.md §7)."""
     last = jnp.arange(num_positions) == num_positions - 1
     return jnp.where(last[None, :], jnp.asarray(scores, jnp.float32)[:, None], 0.0)
 
 
 def place_turn_scores(input_ids: jax.Array, turn_indicators: jax.Array, turn_scores: jax.Array,
                       turn_end_id: int, shift: int) -> jax.Array:
-    """Per-turn rewards on each assistant turn's end token (RAGEN HEAD ``use_turn_scores``, §7).
+    """Per-turn rewards on each assistant turn's end token (RAGEN HEAD ``use_turn_scores``, starpo.md §7).
 
     Turn ``k``'s reward goes on the ``turn_end_id`` token (``<|im_end|>``) whose turn indicator is
     ``2k + 3``; a row without that token gets it on the last column instead (later turns overwrite

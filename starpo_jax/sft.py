@@ -2,7 +2,7 @@
 
 Demonstrations are packed exactly like rollouts (``starpo_jax.rollout.pack_trajectory``),
 so the supervised tokens are the ones StarPO later trains: the positions of the
-trajectory's ``loss_mask`` (spec §7). The loss is the token mean of
+trajectory's ``loss_mask`` (starpo.md §7). The loss is the token mean of
 ``−log π(token_{j+1} | tokens_{≤j})`` over those positions; one step is a pure
 function compiled with ``runtime.train_state.compile_step`` (AdamW after global-norm
 clipping, learning rate decayed to zero on a cosine, so the last batches do not

@@ -1,11 +1,11 @@
-"""Pure actor and critic steps, and the log-prob / value passes that feed them (spec §9, §10).
+"""Pure actor and critic steps, and the log-prob / value passes that feed them (starpo.md §9, §10).
 
 A model is split once into a graph definition, its trainable variables (all
 parameters, or only the LoRA adapters) and the frozen rest. Each step is
 ``step(state, frozen, batch) -> (state, metrics)``: micro-batches are
 accumulated inside the compiled step (``runtime.train_state.scan_micro_batches``), each divided by the
 whole mini-batch's ``loss_normalizer`` so the result does not depend on the
-micro-batch size (decision 5), gradients are clipped
+micro-batch size (starpo.md §22.5), gradients are clipped
 by global norm, and an update with non-finite gradients is skipped and counted
 (``runtime.guards.skip_non_finite``). Compile with ``runtime.train_state.compile_step``.
 """
@@ -110,7 +110,7 @@ def _accumulated_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, 
 
 def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, actor: ActorConfig,
                     num_micro_batches: int, temperature: float = 1.0) -> Callable:
-    """``step(state, frozen, PolicyBatch)``: one optimiser step of the StarPO policy loss (§10)."""
+    """``step(state, frozen, PolicyBatch)``: one optimiser step of the StarPO policy loss (starpo.md §10)."""
     def loss_fn(model, micro: PolicyBatch, normalizer):
         logits, _ = model(micro.input_ids, micro.attention_mask)
         log_probs, entropy = token_log_probs(logits, micro.input_ids, temperature)
@@ -127,7 +127,7 @@ def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ac
 
 def make_critic_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, critic: CriticConfig,
                      num_micro_batches: int) -> Callable:
-    """``step(state, frozen, CriticBatch)``: one optimiser step of the clipped value loss (§10)."""
+    """``step(state, frozen, CriticBatch)``: one optimiser step of the clipped value loss (starpo.md §10)."""
     def loss_fn(model, micro: CriticBatch, normalizer):
         values, _ = model(micro.input_ids, micro.attention_mask)
         out = clipped_value_loss(values[:, :-1], micro.old_values, micro.returns, micro.loss_mask,
@@ -141,7 +141,7 @@ def make_critic_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, c
 def make_log_prob_fn(graphdef: nnx.GraphDef, num_micro_batches: int, temperature: float = 1.0) -> Callable:
     """``fn(trainable, frozen, input_ids, attention_mask) -> log_probs [B, L − 1]``, micro-batched.
 
-    Old log-probs are recomputed with the training parameters (§9 step 4). Reference
+    Old log-probs are recomputed with the training parameters (starpo.md §9 step 4). Reference
     log-probs are the same pass with the LoRA adapters zeroed (the base model exactly)
     or with a frozen copy of the initial parameters.
     """

@@ -1,4 +1,4 @@
-"""One token sequence per trajectory in RAGEN's chat layout, with its loss mask (spec §4, §7).
+"""One token sequence per trajectory in RAGEN's chat layout, with its loss mask (starpo.md §4, §7).
 
 A rollout keeps, per environment, a history of turns (state text, actions left,
 normalised response, reward text). ``render_chat`` turns it into chat messages
@@ -99,7 +99,7 @@ def chat_tokens(tokenizer: Any) -> ChatTokens:
 def turn_end_suffix_length(tokenizer: Any) -> int:
     """Tokens the chat template puts after a message's turn-end token (Qwen: ``\\n``, 1; Llama 3: 0).
 
-    RAGEN HEAD shifts turn rewards by this much (+1 for Qwen, §7).
+    RAGEN HEAD shifts turn rewards by this much (+1 for Qwen, starpo.md §7).
     """
     probe = [{"role": "user", "content": "u"}]
     ids = tokenizer.encode(tokenizer.apply_chat_template(probe, tokenize=False), add_special_tokens=False)
@@ -108,7 +108,7 @@ def turn_end_suffix_length(tokenizer: Any) -> int:
 
 
 def turn_indicators(input_ids: jax.Array, turn_start_id: int) -> jax.Array:
-    """``cumsum(input_ids == turn_start)``: 1 = system, 2 = first user, 3 = assistant, 4 = user, … (§7)."""
+    """``cumsum(input_ids == turn_start)``: 1 = system, 2 = first user, 3 = assistant, 4 = user, … (starpo.md §7)."""
     return jnp.cumsum(input_ids == turn_start_id, axis=-1)
 
 
@@ -117,7 +117,7 @@ LOSS_MASK_ALIGNMENTS = ("reference", "standard")
 
 def loss_mask(input_ids: jax.Array, attention_mask: jax.Array, chat: ChatTokens, *, enable_response_mask: bool = True,
               alignment: str = "reference") -> jax.Array:
-    """Trained positions ``[B, L − 1]``; position j scores token j + 1 (§7, decisions 2 and 3).
+    """Trained positions ``[B, L − 1]``; position j scores token j + 1 (starpo.md §7, §22.2, §22.3).
 
     ``reference``: RAGEN's mask of token j at position j — with ``enable_response_mask`` the
     assistant segments from their turn-start token to the token before the next turn start,
@@ -166,7 +166,7 @@ class Trajectory(NamedTuple):
 
 
 def position_ids(attention_mask: Any) -> Any:
-    """0-based positions of a left-padded batch: ``max(cumsum(mask) − 1, 0)`` (decision 14)."""
+    """0-based positions of a left-padded batch: ``max(cumsum(mask) − 1, 0)`` (starpo.md §22.14)."""
     return np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int32)
 
 

@@ -1,4 +1,4 @@
-"""TDD-adv: a hinge GAN on frozen-teacher UNet encoder features (spec §10, decision 20).
+"""TDD-adv: a hinge GAN on frozen-teacher UNet encoder features (tdd.md §10, §18.20).
 
 An addition to the plain distillation step (``tdd_jax.distill``), which it leaves unchanged:
 
@@ -43,7 +43,7 @@ from tdd_jax.targets import make_selector
 
 @dataclasses.dataclass(frozen=True)
 class AdversarialConfig:
-    """Reference TDD-adv settings (spec §10): generator weight ``adv_weight``, the discriminator's AdamW
+    """Reference TDD-adv settings (tdd.md §10): generator weight ``adv_weight``, the discriminator's AdamW
     and clipping, and ``head_groups``, the GroupNorm groups of the heads (32 in the reference)."""
 
     adv_weight: float = 0.1
@@ -168,7 +168,7 @@ def make_adversarial_steps(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef,
     k_min, num_train = config.num_inference_steps_min, int(abar.shape[0])
 
     def prepare(state, frozen, uncond, batch):
-        """The step's draws, the teacher's x_{t_n} and the stop-gradient target (spec §4 steps 3-10)."""
+        """The step's draws, the teacher's x_{t_n} and the stop-gradient target (tdd.md §4 steps 3-10)."""
         rng, key = jax.random.split(state.rng)
         sample = draw_distill_sample(key, batch, uncond.student, schedule, select, config)
         k_t, k_real, k_fake = jax.random.split(jax.random.fold_in(key, 1), 3)

@@ -2,7 +2,7 @@
 
 Sources are a folder of ``name.{jpg,jpeg,png,webp}`` files with ``name.txt`` captions, or webdataset
 ``.tar`` shards (members ``key.<image ext>`` and ``key.txt``/``key.json``). Preprocessing follows
-the reference's ``dataset.py`` (spec §4 step 1): bilinear resize of the shorter side to the
+the reference's ``dataset.py`` (tdd.md §4 step 1): bilinear resize of the shorter side to the
 resolution, optional horizontal flip, random crop, scaling to [−1, 1]; ``orig_size`` is the size
 after resizing, and with ``use_fix_crop_and_size`` the reported crop is (0, 0) though the crop
 itself stays random. Undecodable caption bytes become "" (the reference's fallback); an image that does
@@ -152,8 +152,8 @@ def to_uint8(pixels: np.ndarray) -> np.ndarray:
     return np.clip(np.round((np.asarray(pixels, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
 
 
-def save_image_grid(pixels: np.ndarray, path: str | os.PathLike, columns: int | None = None) -> None:
-    """Writes (N, H, W, C) images in [−1, 1] (C = 1 or 3) as one PNG grid, row-major, black padding."""
+def tile_images(pixels: np.ndarray, columns: int | None = None) -> np.ndarray:
+    """(N, H, W, C) images in [−1, 1] (C = 1 or 3) as one uint8 (rows·H, columns·W, C) grid, black padding."""
     images = to_uint8(pixels)
     n, h, w, c = images.shape
     if c not in (1, 3):
@@ -164,7 +164,30 @@ def save_image_grid(pixels: np.ndarray, path: str | os.PathLike, columns: int | 
     for i, image in enumerate(images):
         r, col = divmod(i, columns)
         grid[r * h:(r + 1) * h, col * w:(col + 1) * w] = image
-    Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
+    return grid
+
+
+def _save_uint8(grid: np.ndarray, path: str | os.PathLike) -> None:
+    Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(path)
+
+
+def save_image_grid(pixels: np.ndarray, path: str | os.PathLike, columns: int | None = None) -> None:
+    """Writes (N, H, W, C) images in [−1, 1] (C = 1 or 3) as one PNG grid, row-major, black padding."""
+    _save_uint8(tile_images(pixels, columns), path)
+
+
+def save_side_by_side(panels: Sequence[np.ndarray], path: str | os.PathLike, columns: int, gap: int = 8,
+                      scale: int = 2) -> None:
+    """Writes image grids (each (N, H, W, C) in [−1, 1]) left to right, split by grey ``gap``-pixel bars.
+
+    Every panel is tiled with ``columns`` columns; the figure is enlarged ``scale`` times (nearest neighbour).
+    """
+    tiles = [tile_images(panel, columns) for panel in panels]
+    if len({tile.shape for tile in tiles}) != 1:
+        raise ValueError(f"side-by-side panels must tile to one shape, got {[tile.shape for tile in tiles]}")
+    bar = np.full((tiles[0].shape[0], gap, tiles[0].shape[2]), 128, np.uint8)
+    figure = np.concatenate([part for tile in tiles for part in (bar, tile)][1:], axis=1)
+    _save_uint8(figure.repeat(scale, axis=0).repeat(scale, axis=1), path)
 
 
 def latents_to_png(decode: Callable[[np.ndarray], np.ndarray], latents: np.ndarray, path: str | os.PathLike,

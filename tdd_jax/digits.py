@@ -4,7 +4,7 @@
   scaled to [−1, 1], NHWC with one channel.
 * ``LabelEncoder``: the demo's text encoder. Caption "0".."9" → a learned (tokens, dim) context per
   class; the empty caption "" → a learned "empty" label, the unconditional input of classifier-free
-  guidance and of TDD's decoupled guidance (spec §7).
+  guidance and of TDD's decoupled guidance (tdd.md §7).
 * ``DigitClassifier``: an MLP trained on real digits; its penultimate layer is the feature space of the
   Fréchet distance and its argmax the class accuracy of conditioned samples.
 * ``frechet_distance``: ``|μ1 − μ2|² + Tr(Σ1 + Σ2 − 2(Σ1Σ2)^{1/2})`` (Heusel et al. 2017, eq. 6), with the

@@ -1,4 +1,4 @@
-"""The TDD distillation step (spec §4, §7), pure, micro-batched and sharded.
+"""The TDD distillation step (tdd.md §4, §7), pure, micro-batched and sharded.
 
 One step, per sample (``train_tdd.py`` lines 1235-1391):
 
@@ -47,7 +47,7 @@ UNCOND_MODES = ("zeros", "empty_prompt")
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    """Hyperparameters of the distillation step; defaults are the SDXL reference (spec §9).
+    """Hyperparameters of the distillation step; defaults are the SDXL reference (tdd.md §9).
 
     ``w_min``/``w_max`` are in LCM form (CFG scale 1 + w). ``teacher_uncond`` is the teacher's
     unconditional embedding: ``zeros`` (SDXL reference) or ``empty_prompt`` (SD1.5 reference).
@@ -174,7 +174,7 @@ def unconditional_embedding(empty_prompt: Conditioning, mode: str) -> Conditioni
 
 def draw_distill_sample(key: jax.Array, batch: DistillBatch, empty_prompt: Conditioning, schedule: TDDSchedule,
                         select: Callable[[jax.Array, jax.Array], jax.Array], config: DistillConfig) -> DistillSample:
-    """Draws caption replacement, t_{n+k}, t_n, s, ε and w for every sample (spec §4 steps 3-6, §7)."""
+    """Draws caption replacement, t_{n+k}, t_n, s, ε and w for every sample (tdd.md §4 steps 3-6, §7)."""
     k_prompt, k_index, k_target, k_noise, k_w = jax.random.split(key, 5)
     b = batch.latents.shape[0]
     empty = jax.random.uniform(k_prompt, (b,)) < config.proportion_empty_prompts
@@ -193,7 +193,7 @@ def draw_distill_sample(key: jax.Array, batch: DistillBatch, empty_prompt: Condi
 
 def teacher_ddim_step(teacher_eps: Callable, x_start: jax.Array, sample: DistillSample, teacher_uncond: Conditioning,
                       alphas_cumprod: jax.Array) -> jax.Array:
-    """x_{t_n} from one guided teacher DDIM step (spec §4 step 9; CFG scale 1 + w, LCM form)."""
+    """x_{t_n} from one guided teacher DDIM step (tdd.md §4 step 9; CFG scale 1 + w, LCM form)."""
     scale = (1.0 + sample.w).reshape((-1,) + (1,) * (x_start.ndim - 1))
     uncond = broadcast_conditioning(teacher_uncond, sample.cond)
     eps = guided_eps(teacher_eps, x_start, sample.t_start, sample.cond, uncond, scale).astype(jnp.float32)
@@ -202,7 +202,7 @@ def teacher_ddim_step(teacher_eps: Callable, x_start: jax.Array, sample: Distill
 
 
 def make_optimizer(config: DistillConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW, as the reference (spec §9); non-finite updates skipped."""
+    """Global-norm clipping then AdamW, as the reference (tdd.md §9); non-finite updates skipped."""
     return skip_non_finite(optax.chain(
         optax.clip_by_global_norm(config.max_grad_norm),
         optax.adamw(config.learning_rate, config.adam_beta1, config.adam_beta2, config.adam_epsilon,

@@ -1,8 +1,8 @@
-"""TDD few-step sampling (``TDDScheduler``, spec §11) for any ε-prediction model.
+"""TDD few-step sampling (``TDDScheduler``, tdd.md §11) for any ε-prediction model.
 
 Each step i, from t_i with model output ε:
 
-1. ``x̂0 = (x − σ_t·ε)/α_t``, dynamically thresholded on steps ``0..t_l`` (spec §11, x0 clipping);
+1. ``x̂0 = (x − σ_t·ε)/α_t``, dynamically thresholded on steps ``0..t_l`` (tdd.md §11, x0 clipping);
    as in DPM-Solver++, a thresholded x̂0 replaces ε by the noise it implies, ``(x − α_t·x̂0)/σ_t``;
 2. DDIM / first-order DPM-Solver++ jump to ``s_{i+1} = floor((1 − eta)·t_{i+1})``:
    ``x_s = α_s·x̂0 + σ_s·ε`` (σ_s = 0 on the last step, which returns x̂0);

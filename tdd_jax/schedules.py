@@ -1,6 +1,6 @@
 """Noise schedule and timestep grids of Target-Driven Distillation (TDD, arXiv 2409.01347).
 
-Everything here follows ``spec/tdd.md`` §2-3 and §11:
+Everything here follows ``docs/reference/tdd.md`` starpo.md §2-3 and §11:
 
 * the DDPM variance-preserving schedule ``ᾱ_t = Π_{i≤t}(1 − β_i)``, ``α_t = sqrt(ᾱ_t)``,
   ``σ_t = sqrt(1 − ᾱ_t)``, read from a diffusers scheduler config;
@@ -52,7 +52,7 @@ def betas_for_schedule(beta_schedule: str, beta_start: float, beta_end: float,
                        num_train_timesteps: int) -> np.ndarray:
     """β_1..β_T of the DDPM ``linear`` or ``scaled_linear`` schedule (Ho et al. 2020; LDM).
 
-    ``scaled_linear``: ``β = linspace(sqrt(β_start), sqrt(β_end), T)²`` (spec §2).
+    ``scaled_linear``: ``β = linspace(sqrt(β_start), sqrt(β_end), T)²`` (tdd.md §2).
     """
     if num_train_timesteps < 2:
         raise ValueError(f"num_train_timesteps must be at least 2, got {num_train_timesteps}")
@@ -106,7 +106,7 @@ def alphas_cumprod_from_config(config: Mapping[str, Any] | str | os.PathLike) ->
 
 
 def ddim_timesteps(num_train_timesteps: int, num_ddim_timesteps: int) -> tuple[np.ndarray, int]:
-    """The teacher's DDIM grid ``[1, 2, …, N_ddim]·k − 1`` and its skip ``k = T // N_ddim`` (spec §3.1)."""
+    """The teacher's DDIM grid ``[1, 2, …, N_ddim]·k − 1`` and its skip ``k = T // N_ddim`` (tdd.md §3.1)."""
     if not 1 <= num_ddim_timesteps <= num_train_timesteps:
         raise ValueError(f"num_ddim_timesteps must be in [1, {num_train_timesteps}], got {num_ddim_timesteps}")
     skip = num_train_timesteps // num_ddim_timesteps
@@ -123,7 +123,7 @@ def equidistant_schedule(grid: np.ndarray, num_steps: int) -> np.ndarray:
 
 
 def special_jump_schedule(grid: np.ndarray, num_steps: int) -> np.ndarray:
-    """The non-equidistant schedules of TDDScheduler(special_jump=True) (spec §11), 250-point grid only."""
+    """The non-equidistant schedules of TDDScheduler(special_jump=True) (tdd.md §11), 250-point grid only."""
     grid = np.asarray(grid)
     if len(grid) != SPECIAL_JUMP_GRID_SIZE or grid[-1] != 999:
         raise ValueError(f"special_jump needs num_ddim_timesteps={SPECIAL_JUMP_GRID_SIZE} over 1000 train "
@@ -141,7 +141,7 @@ def inference_schedule(grid: np.ndarray, num_steps: int, special_jump: bool = Fa
 def merged_candidates(grid: np.ndarray, k_min: int, k_max: int) -> np.ndarray:
     """Candidate target set: union of the K = k_min..k_max schedules, ascending, 0 prepended, largest dropped.
 
-    This is ``set_timesteps_s`` of the reference (spec §3.3).
+    This is ``set_timesteps_s`` of the reference (tdd.md §3.3).
     """
     if not 1 <= k_min <= k_max:
         raise ValueError(f"need 1 <= num_inference_steps_min <= num_inference_steps_max, got {k_min}, {k_max}")
@@ -158,7 +158,7 @@ def make_tdd_schedule(alphas_cumprod: jax.Array, num_ddim_timesteps: int = 250,
 
 
 def sampling_targets(timesteps: np.ndarray, eta: float) -> np.ndarray:
-    """Intermediate DDIM targets ``s_{i+1} = floor((1 − eta)·t_{i+1})`` in float64 (spec §11, step 1)."""
+    """Intermediate DDIM targets ``s_{i+1} = floor((1 − eta)·t_{i+1})`` in float64 (tdd.md §11, step 1)."""
     if not 0.0 <= eta < 1.0:
         raise ValueError(f"eta must be in [0, 1), got {eta}")
     return np.floor((1.0 - eta) * np.asarray(timesteps[1:], np.float64)).astype(np.int64)
@@ -171,7 +171,7 @@ def _expand(a: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def predicted_origin(x_t: jax.Array, eps: jax.Array, alpha_bar_t: jax.Array) -> jax.Array:
-    """x̂0 = (x_t − σ_t·ε) / α_t (ε-prediction; spec §4 step 7)."""
+    """x̂0 = (x_t − σ_t·ε) / α_t (ε-prediction; tdd.md §4 step 7)."""
     return (x_t - _expand(jnp.sqrt(1.0 - alpha_bar_t), x_t) * eps) / _expand(jnp.sqrt(alpha_bar_t), x_t)
 
 
@@ -181,21 +181,21 @@ def implied_noise(x_t: jax.Array, x0: jax.Array, alpha_bar_t: jax.Array) -> jax.
 
 
 def ddim_jump(x0: jax.Array, eps: jax.Array, alpha_bar_s: jax.Array) -> jax.Array:
-    """DDIM (η = 0) / first-order DPM-Solver++ move to s: ``α_s·x̂0 + σ_s·ε`` (spec §4 steps 7, 9)."""
+    """DDIM (η = 0) / first-order DPM-Solver++ move to s: ``α_s·x̂0 + σ_s·ε`` (tdd.md §4 steps 7, 9)."""
     return _expand(jnp.sqrt(alpha_bar_s), x0) * x0 + _expand(jnp.sqrt(1.0 - alpha_bar_s), x0) * eps
 
 
 def consistency_jump(x_t: jax.Array, eps: jax.Array, alpha_bar_t: jax.Array, alpha_bar_s: jax.Array) -> jax.Array:
-    """The TDD consistency function ``f(x_t, t, s) = α_s·x̂0(x_t, ε) + σ_s·ε`` (spec §5); f(x, t, t) = x."""
+    """The TDD consistency function ``f(x_t, t, s) = α_s·x̂0(x_t, ε) + σ_s·ε`` (tdd.md §5); f(x, t, t) = x."""
     return ddim_jump(predicted_origin(x_t, eps, alpha_bar_t), eps, alpha_bar_s)
 
 
 def renoise(x_s: jax.Array, noise: jax.Array, alpha_bar_s: jax.Array, alpha_bar_t: jax.Array) -> jax.Array:
-    """Forward noising from s to a later t: ``sqrt(ᾱ_t/ᾱ_s)·x_s + sqrt(1 − ᾱ_t/ᾱ_s)·z`` (spec §11, step 4)."""
+    """Noising from s to a later t: ``sqrt(ᾱ_t/ᾱ_s)·x_s + sqrt(1 − ᾱ_t/ᾱ_s)·z`` (tdd.md §11, step 4)."""
     ratio = alpha_bar_t / alpha_bar_s
     return _expand(jnp.sqrt(ratio), x_s) * x_s + _expand(jnp.sqrt(1.0 - ratio), x_s) * noise
 
 
 def add_noise(x0: jax.Array, noise: jax.Array, alpha_bar_t: jax.Array) -> jax.Array:
-    """q(x_t | x0): ``sqrt(ᾱ_t)·x0 + sqrt(1 − ᾱ_t)·ε`` (spec §4 step 5)."""
+    """q(x_t | x0): ``sqrt(ᾱ_t)·x0 + sqrt(1 − ᾱ_t)·ε`` (tdd.md §4 step 5)."""
     return ddim_jump(x0, noise, alpha_bar_t)

@@ -1,4 +1,4 @@
-"""Target-timestep selectors: where the student's consistency jump lands (spec §6).
+"""Target-timestep selectors: where the student's consistency jump lands (tdd.md §6).
 
 A selector maps a PRNG key and the teacher's end points ``t_n`` (B,) to targets ``s`` (B,)
 with ``0 ≤ s ≤ t_n``. Three are provided and chosen by name:
@@ -33,7 +33,7 @@ def _uniform_masked_choice(key: jax.Array, values: jax.Array, mask: jax.Array) -
 
 def select_target_timestep(key: jax.Array, t_n: jax.Array, candidates: jax.Array, s_ratio: float = 0.3,
                            window: int = TDD_WINDOW) -> jax.Array:
-    """TDD target selection (``select_s``, spec §6), vectorised over the batch.
+    """TDD target selection (``select_s``, tdd.md §6), vectorised over the batch.
 
     Args:
       key: PRNG key.

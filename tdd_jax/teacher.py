@@ -1,7 +1,7 @@
 """Training a small class-conditional ε-prediction teacher (the embedded demo's diffusion model).
 
 DDPM's simplified objective (Ho et al. 2020, eq. 14): ``E‖ε − ε_θ(√ᾱ_t·x0 + √(1 − ᾱ_t)·ε, t, c)‖²``
-with t uniform over the T training timesteps and the schedule's ᾱ (spec §2). Labels are replaced by
+with t uniform over the T training timesteps and the schedule's ᾱ (tdd.md §2). Labels are replaced by
 the empty label with probability ``p_uncond`` so the same network also predicts the unconditional ε
 that classifier-free guidance needs (Ho & Salimans 2022, Sec. 3.2).
 """

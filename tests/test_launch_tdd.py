@@ -44,8 +44,13 @@ def test_demo_fast_preset_writes_table_and_grids(tmp_path):
     table = (tmp_path / "table.md").read_text().splitlines()
     assert "FD to teacher samples" in table[0]
     assert len(table) == 2 + len(rows) and table[3].startswith("| teacher DDIM (CFG 1) | 50 |")
-    grid = np.asarray(Image.open(tmp_path / "grids" / "TDD (eta 0.2)-4.png"))
+    grid = np.asarray(Image.open(tmp_path / "grids" / "tdd_eta0.2_4step.png"))
     assert grid.shape == (10 * 16, 2 * 16)  # one row per digit, samples_per_class columns
+    # teacher DDIM-50, LCM-4, TCD-4, TDD-4 side by side, 8-pixel grey bars, enlarged twice
+    figure = np.asarray(Image.open(tmp_path / "tdd_demo_4step.png"))
+    assert figure.shape == (2 * 10 * 16, 2 * (4 * 2 * 16 + 3 * 8))
+    np.testing.assert_array_equal(figure[::2, 2 * 3 * (2 * 16 + 8)::2], grid)
+    np.testing.assert_array_equal(figure[:, 2 * 2 * 16:2 * (2 * 16 + 8)], 128)
     assert (tmp_path / "table.json").is_file() and (tmp_path / "tdd" / "metrics.jsonl").is_file()
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_PACKAGES = ("runtime", "envs", "starpo_jax", "tdd_jax", "launch")
+# Optional extras: imported only when the user selects them, refused with the install line when missing.
+OPTIONAL = {"wandb": "trainer.logger=[console,wandb] (runtime.wandb_logger.require_loggers)"}
 
 
 def canonical(name: str) -> str:
@@ -57,7 +59,7 @@ def missing_requirements(package_dirs, requirements: set[str]) -> dict[str, tupl
     providers = importlib.metadata.packages_distributions()
     missing = {}
     for module, file in imported_top_level_modules(package_dirs).items():
-        if module in sys.stdlib_module_names or module in local or module == "__future__":
+        if module in sys.stdlib_module_names or module in local or module in OPTIONAL or module == "__future__":
             continue
         distributions = {canonical(d) for d in providers.get(module, [module])}
         if not distributions & requirements:

@@ -1,13 +1,16 @@
 """Metric writer: JSONL rows and TensorBoard scalars read back from the event file."""
 
 import glob
+import io
 import struct
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rich.console import Console
 from tensorboardX.proto import event_pb2
 
+from runtime import metrics
 from runtime.metrics import MetricWriter, ProgressBar, read_jsonl
 
 
@@ -62,3 +65,14 @@ def test_progress_bar_shows_selected_metrics(capsys):
         bar.update(2, {"loss": 0.25, "other": 1.0})
         assert bar._progress.tasks[0].completed == 2
         assert bar._progress.tasks[0].fields["metrics"] == "loss=0.25"
+
+
+def test_progress_bar_keeps_counts_and_times_at_80_columns(monkeypatch):
+    console = Console(file=io.StringIO(), width=80, force_terminal=False)
+    monkeypatch.setattr(metrics, "CONSOLE", console)
+    with ProgressBar(200, "StarPO", keys=("train/success", "actor/pg_loss")) as bar:
+        bar.update(37, {"train/success": 0.421875, "actor/pg_loss": -0.0123456})
+        console.print(bar._progress.make_tasks_table(bar._progress.tasks))
+    line = console.file.getvalue().splitlines()[-1]
+    assert len(line) <= 80 and "37/200" in line and "-:--:--" in line
+    assert "success=0.4219" in line and "pg_loss=-0.01235" not in line  # the metrics give way first

@@ -1,4 +1,4 @@
-"""GAE, GRPO, bi-level GAE and KL-in-reward against plain NumPy loops (spec §8, §10)."""
+"""GAE, GRPO, bi-level GAE and KL-in-reward against plain NumPy loops (starpo.md §8, §10)."""
 
 import chex
 import jax

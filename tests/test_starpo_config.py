@@ -1,4 +1,4 @@
-"""StarPO config: spec defaults, preset compositions (§12), overrides and validation errors."""
+"""StarPO config: reference defaults, preset compositions (starpo.md §12), overrides and validation errors."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ from starpo_jax.presets import PRESETS, load_config, parse_args
 
 
 def test_starpo_s_preset_reproduces_the_reference_defaults():
-    """Every number of spec §16 (PAPER base.yaml + verl defaults) and the §22 decisions."""
+    """Every number of starpo.md §16 (PAPER base.yaml + verl defaults) and the starpo.md §22 choices."""
     c = load_config("starpo-s-ppo")
     actor, rollout, critic = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout, c.critic
     assert c.model_path == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -59,7 +59,7 @@ def test_ragen_and_tyro_overrides_set_tag_keys_and_env_config():
     assert config.actor_rollout_ref.actor.clip_ratio_high == 0.2
     assert envs.CUSTOM_ENVS["SimpleSokoban"].max_actions_per_traj == 10  # the registry itself is untouched
     vocab = env_prefix(envs.make("SokobanDifferentGridVocab", registry))
-    assert "W: wall, .: empty, G: target" in vocab  # decision 18's flag, reached through env_config
+    assert "W: wall, .: empty, G: target" in vocab  # starpo.md §22.18's flag, reached through env_config
 
 
 def test_a_new_tag_starts_from_its_type_and_can_be_played():

@@ -1,4 +1,4 @@
-"""StarPO-S group filter against a plain NumPy ranking (spec §11, decisions 12-13)."""
+"""StarPO-S group filter against a plain NumPy ranking (starpo.md §11, §22.12-13)."""
 
 import jax
 import numpy as np

@@ -93,7 +93,7 @@ def test_lora_preset_trains_only_the_adapters():
 
 
 def test_turn_scores_replace_the_normalised_final_reward():
-    """``use_turn_scores``: the per-turn rewards are the token rewards, not normalised (HEAD, §7)."""
+    """``use_turn_scores``: the per-turn rewards are the token rewards, not normalised (HEAD, starpo.md §7)."""
     traj = trajectory()
     rng = np.random.default_rng(1)
     turn_rewards = (rng.random(traj.loss_mask.shape) < 0.1) * rng.normal(size=traj.loss_mask.shape)

@@ -1,4 +1,4 @@
-"""Actor and critic losses, KL estimators, entropy and aggregation against plain NumPy (spec §10)."""
+"""Actor and critic losses, KL estimators, entropy and aggregation against plain NumPy (starpo.md §10)."""
 
 import jax
 import numpy as np

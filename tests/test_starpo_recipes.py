@@ -1,4 +1,4 @@
-"""Paper recipes (spec §12, §14, §17): every preset resolves and validates; key ones match the spec; mesh presets."""
+"""Paper recipes (starpo.md §12, §14, §17): every preset resolves and validates; key ones match it; mesh presets."""
 
 import functools
 

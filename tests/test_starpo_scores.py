@@ -1,4 +1,4 @@
-"""Score normalisation and reward placement against plain NumPy (spec §7, §8.2)."""
+"""Score normalisation and reward placement against plain NumPy (starpo.md §7, §8.2)."""
 
 import jax
 import numpy as np

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from tdd_jax.data import (build_cache, cache_batches, iter_folder, iter_source, latents_to_png, load_cache,
-                          preprocess, to_uint8)
+                          preprocess, save_side_by_side, to_uint8)
 from tdd_jax.distill import DistillBatch
 from tdd_jax.sampler import Conditioning
 
@@ -105,6 +105,20 @@ def test_png_grid_round_trip(tmp_path):
     np.testing.assert_array_equal(grid[4:8, 5:10], 0)
     with pytest.raises(ValueError, match="channels"):
         latents_to_png(lambda z: z, np.zeros((1, 2, 2, 4)), tmp_path / "bad.png")
+
+
+def test_side_by_side_figure_places_panels_between_grey_bars(tmp_path):
+    rng = np.random.default_rng(1)
+    panels = [rng.uniform(-1, 1, size=(4, 3, 2, 1)).astype(np.float32) for _ in range(3)]
+    save_side_by_side(panels, tmp_path / "f.png", columns=2, gap=1, scale=3)
+    figure = np.asarray(Image.open(tmp_path / "f.png"))
+    assert figure.shape == (3 * 6, 3 * (3 * 4 + 2))
+    for i, panel in enumerate(to_uint8(panels)[..., 0]):  # panel i starts at column 5·i before enlarging
+        tiled = np.block([[panel[0], panel[1]], [panel[2], panel[3]]])
+        np.testing.assert_array_equal(figure[::3, 3 * 5 * i:3 * (5 * i + 4):3], tiled)
+    np.testing.assert_array_equal(figure[:, 3 * 4:3 * 5], 128)
+    with pytest.raises(ValueError, match="one shape"):
+        save_side_by_side([panels[0], panels[0][:2]], tmp_path / "bad.png", columns=2)
 
 
 def test_cache_batches_started_at_a_position_continue_the_same_stream():

@@ -1,4 +1,4 @@
-"""TDD schedules: ᾱ, DDIM grid, inference schedules and candidate set equal the spec's lists."""
+"""TDD schedules: ᾱ, DDIM grid, inference schedules and candidate set equal tdd.md §2-3's lists."""
 
 import json
 
@@ -12,7 +12,7 @@ SDXL_SCHEDULER = {"_class_name": "EulerDiscreteScheduler", "beta_start": 0.00085
                   "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "prediction_type": "epsilon",
                   "sample_max_value": 1.0, "steps_offset": 1, "timestep_spacing": "leading"}
 
-# spec §3.2 and §3.3, N_ddim = 250
+# tdd.md §3.2 and §3.3, N_ddim = 250
 SPEC_SCHEDULES = {
     4: [999, 751, 499, 251],
     5: [999, 799, 599, 399, 199],
@@ -96,7 +96,7 @@ def test_merged_candidates_equal_spec():
 
 
 def test_sampling_targets_worked_example_and_float64():
-    # spec §11: N = 4, eta = 0.2 gives 600, 399, 200; eta = 0.6, N = 6 gives 334 (float64), not 333.
+    # tdd.md §11: N = 4, eta = 0.2 gives 600, 399, 200; eta = 0.6, N = 6 gives 334 (float64), not 333.
     assert list(sch.sampling_targets(np.array(SPEC_SCHEDULES[4]), 0.2)) == [600, 399, 200]
     assert list(sch.sampling_targets(np.array(SPEC_SCHEDULES[6]), 0.6)) == [334, 266, 199, 134, 66]
     with pytest.raises(ValueError, match="eta"):

@@ -5,7 +5,6 @@ Everything here reproduces the reference character for character, quirks include
 the per-turn state block, ``str()`` of summed rewards, and the parsing and format-penalty rules.
 """
 
-import re
 from typing import NamedTuple, Sequence
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
@@ -15,8 +14,6 @@ FORMAT_PENALTY = -0.1
 THINK_FORMAT = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 ANSWER_FORMAT = "<answer> [your answer] </answer>"
 SPECIAL_TOKENS = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
-THINK_PATTERN = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
-ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def env_prefix(env) -> str:
@@ -62,12 +59,49 @@ class ParsedResponse(NamedTuple):
     matched: bool
 
 
+def _answer_after(response: str, start: int, last_close: int) -> tuple[int, int] | None:
+    """Span of the ``<answer>`` body opening at ``start`` when a ``</answer>`` follows it, else None."""
+    body = start + len("<answer>")
+    if start < 0 or not response.startswith("<answer>", start) or body > last_close:
+        return None
+    return body, response.find("</answer>", body)
+
+
+def match_groups(response: str, enable_think: bool = True) -> tuple[str, str] | None:
+    """``(think, answer)`` of RAGEN's ``<think>(.*?)</think>\\s*<answer>(.*?)</answer>`` search (DOTALL), or
+    of ``<answer>(.*?)</answer>`` with ``think=""``; None where it finds no match.
+
+    The same leftmost-then-shortest match as ``re.search``, found in linear time: the regex engine
+    retries every ``<think>`` / ``</think>`` to the end of the text, quadratic on adversarial responses.
+    The leftmost match starts at the first ``<think>`` (a match from a later one ends where one from the
+    first could), and its think body ends at the first ``</think>`` after it that whitespace and
+    ``<answer>`` follow with a ``</answer>`` somewhere after.
+    """
+    last_close = response.rfind("</answer>")
+    if not enable_think:
+        span = _answer_after(response, response.find("<answer>"), last_close)
+        return None if span is None else ("", response[span[0]:span[1]])
+    open_think = response.find("<think>")
+    if open_think < 0:
+        return None
+    close = response.find("</think>", open_think + len("<think>"))
+    while 0 <= close < last_close:
+        after = close + len("</think>")
+        while after < len(response) and response[after].isspace():
+            after += 1
+        span = _answer_after(response, after, last_close)
+        if span is not None:
+            return response[open_think + len("<think>"):close], response[span[0]:span[1]]
+        close = response.find("</think>", after)
+    return None
+
+
 def parse_response(response: str, enable_think: bool = True, max_actions: int = MAX_ACTIONS_PER_TURN) -> ParsedResponse:
     """``ContextManager._parse_response``; ``response`` already starts with the forced tag."""
-    match = (THINK_PATTERN if enable_think else ANSWER_PATTERN).search(response)
-    if not match:
+    groups = match_groups(response, enable_think)
+    if groups is None:
         return ParsedResponse(response, [], False)
-    think, answer = match.groups() if enable_think else ("", match.group(1))
+    think, answer = groups
     for token in SPECIAL_TOKENS:
         answer = answer.replace(token, "").strip()
         think = think.replace(token, "").strip()

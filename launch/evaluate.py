@@ -31,9 +31,10 @@ from flax import nnx
 from launch.starpo import env_metrics, make_player, rollout_settings
 from runtime.checkpoint import Checkpointer
 from runtime.mesh import make_mesh
+from runtime.run_folder import check_output
 from starpo_jax.config import EnvConfigs, EnvGroupsConfig, StarPOConfig
 from starpo_jax.iteration import build_learner, num_micro_batches
-from starpo_jax.models.hf_io import load_pretrained
+from starpo_jax.models.hf_io import check_model_folder, load_pretrained
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.presets import PRESETS, load_config, mesh_config
 from starpo_jax.sampler import SamplerConfig
@@ -68,7 +69,7 @@ def load_policy(config: StarPOConfig, mesh, checkpoint: Path | None, step: int |
         if config.use_critic else None
     learner, actor, critic_state, graphdef = build_learner(config, policy, critic, mesh,
                                                            num_micro_batches(config, mesh))
-    with Checkpointer(folder) as ckpt:
+    with Checkpointer(folder, create=False) as ckpt:
         restored, _, restored_step = ckpt.restore({"actor": actor, "critic": critic_state}, step)
     return graphdef, nnx.merge_state(restored["actor"].params, learner.actor_frozen), policy.config, restored_step
 
@@ -144,7 +145,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.states < 1 or args.samples < 1 or args.batch < 1:
         parser.error("--states, --samples and --batch must be >= 1")
+    if args.checkpoint is not None and not args.checkpoint.is_dir():
+        parser.error(f"--checkpoint {args.checkpoint} is not a folder")
+    check_output(args.out, "--out")
     config = load_config(args.preset, overrides)
+    check_model_folder(config.model_path)
     tags = (tuple(config.custom_envs) if args.envs == "all" else tuple(args.envs.split(","))) if args.envs \
         else config.es_manager.val.env_configs.tags
     ks = sorted({int(k) for k in args.k.split(",")}) if args.k else [2 ** i for i in range(args.samples.bit_length())]

@@ -11,8 +11,11 @@ Each iteration: host-driven rollout of ``env_groups × group_size`` trajectories
 then ``starpo_jax.iteration.update``; validation every ``trainer.test_freq``
 iterations; metrics to JSONL and TensorBoard; decoded validation and training
 rollouts to ``<out>/rollouts``; Echo Trap warnings in the log; checkpoints to
-``<out>/checkpoints`` (resumed automatically, SIGTERM saves and exits); the final
-policy exported as a Hugging Face folder ``<out>/hf_model``.
+``<out>/checkpoints`` (resumed automatically; SIGTERM or SIGINT saves and exits with
+``PREEMPTED_EXIT_CODE``); the final policy exported as a Hugging Face folder ``<out>/hf_model``.
+``<out>`` is a ``runtime.run_folder.RunFolder``: locked while a run writes it, its resolved config
+recorded in ``<out>/config.json``; a resume with other values is refused unless
+``--allow-change`` names the keys (e.g. ``trainer.total_training_steps``).
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ from runtime.guards import NonFiniteError, NonFiniteGuard
 from runtime.mesh import make_mesh
 from runtime.metrics import MetricWriter, ProgressBar
 from runtime.preemption import PreemptionHandler
+from runtime.run_folder import RunFolder
 from runtime.wandb_logger import WandbLogger
 from starpo_jax.config import EnvGroupsConfig, StarPOConfig
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
 from starpo_jax.iteration import build_learner, num_micro_batches, update
-from starpo_jax.models.hf_io import load_pretrained, save_pretrained
+from starpo_jax.models.hf_io import check_model_folder, load_pretrained, save_pretrained
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.presets import PRESETS, load_config, mesh_config
@@ -136,12 +140,23 @@ def rollout_settings(config: StarPOConfig) -> RolloutSettings:
                            max_context_window=proxy.max_context_window, use_turn_scores=proxy.use_turn_scores)
 
 
-def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32) -> dict[str, float]:
+def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32,
+          allow_changes: Sequence[str] = ()) -> dict[str, float]:
     """The StarPO loop on ``config.model_path``; returns the metrics of the last iteration.
 
     ``rollout_bucket``: trajectories and prompts are padded to a multiple of this many
-    tokens, so the compiled steps see few distinct shapes.
+    tokens, so the compiled steps see few distinct shapes. ``allow_changes``: config keys that may
+    differ from those recorded in ``out`` on resume. The model folder and ``out`` are checked
+    before anything loads.
     """
+    check_model_folder(config.model_path)
+    with RunFolder(out, dataclasses.asdict(config), allow_changes=allow_changes) as run:
+        return train_in(config, mesh, run, rollout_bucket)
+
+
+def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: int) -> dict[str, float]:
+    """``train`` in its entered run folder."""
+    out = run.out
     tokenizer = require_chat_template(load_tokenizer(config.model_path))
     lora = LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha)) if config.lora.rank else None
     micro = num_micro_batches(config, mesh)
@@ -179,18 +194,15 @@ def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32)
                                 dataclasses.asdict(config), out)
         with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out, wandb=wandb) as writer, \
                 PreemptionHandler() as preemption:
-            start = 0
             echo_trap = EchoTrapMonitor()
-            if ckpt.latest_step() is not None:
-                restored, loop, start = ckpt.restore({"actor": actor, "critic": critic})
-                actor, critic = restored["actor"], restored["critic"]
-                writer.discard_after(start)
-                if "echo_trap" in loop:  # absent in checkpoints of older versions
-                    echo_trap.load_state_dict(loop["echo_trap"])
+            restored, loop, start = run.resume(ckpt, {"actor": actor, "critic": critic}, total)
+            actor, critic = restored["actor"], restored["critic"]
+            if "echo_trap" in loop:  # absent in checkpoints of older versions
+                echo_trap.load_state_dict(loop["echo_trap"])
             last: dict[str, float] = {}
 
             def checkpoint(done: int) -> None:
-                loop_state = {"step": done, "echo_trap": echo_trap.state_dict()}
+                loop_state = {"step": done, "echo_trap": echo_trap.state_dict(), **run.checkpoint_record}
                 ckpt.save(done, {"actor": actor, "critic": critic}, loop_state)
 
             guard = NonFiniteGuard(config.trainer.max_consecutive_non_finite,
@@ -208,7 +220,7 @@ def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32)
                     metrics.update(env_metrics(rows, traj.tag_ids, traj.scores, train_tags, "train"))
                     metrics["train/success"] = float(np.mean([row["success"] for row in rows]))
                     metrics.update({"timing_s/gen": generation, "timing_s/step": time.perf_counter() - clock})
-                    if (step + 1) % config.trainer.test_freq == 0:
+                    if config.trainer.test_freq > 0 and (step + 1) % config.trainer.test_freq == 0:
                         metrics.update(validate(step + 1))
                         save_rollouts(out / "rollouts" / f"train_step{step + 1}.jsonl", tokenizer, traj, rows,
                                       train_tags)
@@ -229,7 +241,7 @@ def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32)
                         logging.error("saved the last finite state as checkpoint %d in %s", step + 1, ckpt.directory)
                         raise
                     if stop:
-                        return last
+                        raise preemption.stop(f"saved checkpoint {step + 1} in {ckpt.directory}")
         save_pretrained(nnx.merge(graphdef, actor.params, frozen), out / "hf_model", tokenizer=tokenizer)
     return last
 
@@ -243,16 +255,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--demo-size", choices=("full", "fast"),
                         help="the embedded demo's sizes: full (default) or fast, the tiny test configuration "
                              "(minutes, numbers meaningless); only without model_path")
+    parser.add_argument("--allow-change", default="", metavar="KEYS",
+                        help="comma-separated config keys that may differ from the run's recorded config on resume")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     demo = not any("model_path" in o or "model-path" in o for o in overrides)
     if args.demo_size and not demo:
         parser.error("--demo-size sizes the embedded demo; it has no effect with model_path")
+    allow = [key for key in args.allow_change.split(",") if key]
+    if allow and demo:
+        parser.error("--allow-change applies to a run on model_path=..., not to the embedded demo")
     mesh = make_mesh(mesh_config(args.mesh))
     if demo:
         from launch import demo_starpo
         config = demo_starpo.DemoConfig.fast() if args.demo_size == "fast" else demo_starpo.DemoConfig()
         return demo_starpo.run(Path(args.out), mesh, args.preset or demo_starpo.DEMO_PRESET, overrides, config)
-    return train(load_config(args.preset or "starpo-s-ppo", overrides), mesh, Path(args.out))
+    return train(load_config(args.preset or "starpo-s-ppo", overrides), mesh, Path(args.out), allow_changes=allow)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,11 @@ from launch.tdd_loop import distil_loop
 from runtime.checkpoint import Checkpointer
 from runtime.config import parse_config
 from runtime.mesh import MeshConfig, make_mesh
+from runtime.run_folder import RunFolder, check_output
 from tdd_jax.adversarial import (NON_FINITE_KEYS, AdversarialConfig, AdversarialState, compile_adversarial_step,
                                  init_adversarial_state)
-from tdd_jax.data import (LATENT_SAMPLING, build_cache, cache_batches, iter_source, load_cache, num_crops,
-                          save_image_grid, to_uint8)
+from tdd_jax.data import (IMAGE_EXTENSIONS, LATENT_SAMPLING, build_cache, cache_batches, iter_source, load_cache,
+                          num_crops, save_image_grid, to_uint8)
 from tdd_jax.distill import (DistillConfig, Unconditional, compile_distill_step, init_distill_state,
                              make_distill_step, split_model, unconditional_embedding)
 from tdd_jax.models.clip import prompt_embeddings, tokenize
@@ -180,6 +181,9 @@ def check_distil(cfg: DistilRunConfig) -> dict:
         fail("data", f"{cfg.data!r} does not exist and the cache {cache!r} holds no shards")
     if cfg.latent_sampling not in LATENT_SAMPLING:
         fail("latent_sampling", f"must be one of {LATENT_SAMPLING}, got {cfg.latent_sampling!r}")
+    if not has_cache and os.path.isdir(cfg.data) and not any(
+            n.lower().endswith((*IMAGE_EXTENSIONS, ".tar")) for n in os.listdir(cfg.data)):
+        fail("data", f"folder {cfg.data!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}) and no .tar shards")
     micro = cfg.distill.num_microbatches
     if cfg.adversarial:
         if micro != 1 or cfg.distill.ema_decay is not None:
@@ -251,12 +255,20 @@ def student_params(state):
     return state.student.params if isinstance(state, AdversarialState) else state.params
 
 
-def distil(cfg: DistilRunConfig) -> dict[str, float]:
-    """Caches the data, distils, checkpoints and writes ``<out>/lora.safetensors``; returns the last metrics."""
+def distil(cfg: DistilRunConfig, allow_changes: Sequence[str] = ()) -> dict[str, float]:
+    """Caches the data, distils, checkpoints and writes ``<out>/lora.safetensors``; returns the last metrics.
+
+    ``out`` is a ``RunFolder``: locked, its config recorded, a resume with other values of keys
+    outside ``allow_changes`` refused.
+    """
     sdxl = check_distil(cfg).get("addition_embed_type") == "text_time"
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    with RunFolder(cfg.out, dataclasses.asdict(cfg), allow_changes=allow_changes, ignore=("out",)) as run:
+        return distil_in(cfg, run, sdxl)
+
+
+def distil_in(cfg: DistilRunConfig, run: RunFolder, sdxl: bool) -> dict[str, float]:
+    """``distil`` in its entered run folder."""
+    out = run.out
     mesh = make_mesh(MeshConfig(*cfg.mesh))
     cache = Path(cfg.cache or out / "cache")
     with jax.set_mesh(mesh):
@@ -284,7 +296,8 @@ def distil(cfg: DistilRunConfig) -> dict[str, float]:
                                   batch_size=cfg.batch_size, seed=cfg.seed, out=out,
                                   checkpoint_every=cfg.checkpointing_steps,
                                   max_consecutive_non_finite=cfg.max_consecutive_non_finite,
-                                  non_finite_keys=NON_FINITE_KEYS if cfg.adversarial else NON_FINITE_KEYS[:1])
+                                  non_finite_keys=NON_FINITE_KEYS if cfg.adversarial else NON_FINITE_KEYS[:1],
+                                  run=run)
         if int(state.step) == cfg.max_train_steps:
             export_kohya(nnx.merge(graphdef, student_params(state), frozen.base), str(out / "lora.safetensors"))
     return last
@@ -297,12 +310,14 @@ def export(cfg: ExportConfig) -> Path:
     config_path = Path(cfg.run) / "config.json"
     if not config_path.is_file():
         fail("run", f"{cfg.run!r} is not a distil run folder: missing config.json")
+    if cfg.out:
+        check_output(cfg.out, "out")
     saved = json.loads(config_path.read_text())
     run = DistilRunConfig(**{**saved, "mesh": (1, -1, 1), "distill": DistillConfig(**saved["distill"]),
                              "adv": AdversarialConfig(**saved.get("adv", {}))})
     check_teacher(run.teacher, "run's teacher")
     mesh = make_mesh(MeshConfig(*run.mesh))
-    with jax.set_mesh(mesh), Checkpointer(Path(cfg.run) / "checkpoints") as ckpt:
+    with jax.set_mesh(mesh), Checkpointer(Path(cfg.run) / "checkpoints", create=False) as ckpt:
         graphdef, state, frozen, *_ = build_student(run, mesh)
         state, _, step = ckpt.restore(state, cfg.step)
         path = Path(cfg.out or Path(cfg.run) / f"lora_{cfg.format}_step{step}.safetensors")
@@ -325,6 +340,7 @@ def sample(cfg: SampleConfig) -> list[Path]:
         fail("prompts", "give at least one prompt")
     if cfg.inference_uncond not in ("zeros", "empty_prompt"):
         fail("inference_uncond", f"must be 'zeros' or 'empty_prompt', got {cfg.inference_uncond!r}")
+    check_output(cfg.out, "out", folder=True)
     sdxl = unet_cfg.get("addition_embed_type") == "text_time"
     plan = make_sampling_plan(alphas_cumprod_from_config(cfg.teacher), cfg.steps, cfg.eta, cfg.num_ddim_timesteps,
                               cfg.special_jump, cfg.t_l)
@@ -375,8 +391,11 @@ def main(argv: Sequence[str] | None = None):
     if command == "distil":
         parser = argparse.ArgumentParser(prog="launch.tdd distil")
         parser.add_argument("--preset", default="sdxl", choices=sorted(DISTIL_PRESETS))
+        parser.add_argument("--allow-change", default="", metavar="KEYS",
+                            help="comma-separated config keys that may differ from the run's recorded config on resume")
         args, overrides = parser.parse_known_args(argv)
-        return distil(parse_config(DistilRunConfig, DISTIL_PRESETS[args.preset], overrides))
+        return distil(parse_config(DistilRunConfig, DISTIL_PRESETS[args.preset], overrides),
+                      [key for key in args.allow_change.split(",") if key])
     if command == "sample":
         return sample(parse_config(SampleConfig, SampleConfig(), argv))
     return export(parse_config(ExportConfig, ExportConfig(), argv))

@@ -3,15 +3,15 @@
 A checkpoint holds the whole ``DistillState`` (parameters, optimizer state, step, RNG key, EMA) and
 the loop state ``{"step", "data_position"}``; batches come from ``tdd_jax.data.cache_batches`` started
 at ``data_position``, so a resumed run draws the same batches and keys as an uninterrupted one.
-Metric rows written after the restored step (by a run killed before its next checkpoint) are dropped
-from ``metrics.jsonl`` on resume. SIGTERM saves a checkpoint at the next step boundary and returns.
+With checkpoints the loop resumes through the run folder's protocol (``runtime.run_folder``): unreadable
+checkpoints are moved aside, metric rows written after the restored step (by a run killed before its next
+checkpoint) are dropped, and an earlier history without a checkpoint is moved to ``previous/``.
+SIGTERM or SIGINT saves a checkpoint at the next step boundary and exits with ``PREEMPTED_EXIT_CODE``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,48 +19,44 @@ from jax.sharding import Mesh
 
 from runtime.checkpoint import Checkpointer
 from runtime.guards import NonFiniteError, NonFiniteGuard
-from runtime.metrics import MetricWriter, ProgressBar, read_jsonl
+from runtime.metrics import MetricWriter, ProgressBar, keep_rows
 from runtime.preemption import PreemptionHandler
+from runtime.run_folder import RunFolder
 from runtime.sharding import shard_batch
 from tdd_jax.data import cache_batches
 from tdd_jax.distill import DistillBatch, DistillState, FrozenParams, Unconditional
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keeps the rows of ``metrics.jsonl`` with ``step <= last_step`` (atomic rewrite)."""
-    if not path.is_file():
-        return
-    rows = [row for row in read_jsonl(path) if row["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncond: Unconditional,
                 data: DistillBatch, mesh: Mesh, *, steps: int, batch_size: int, seed: int, out: Path,
                 checkpoint_every: int | None, description: str = "distil",
                 max_consecutive_non_finite: int = 5,
-                non_finite_keys: tuple[str, ...] = ("numerics/consecutive_non_finite",)) -> tuple[Any, dict[str, float]]:
+                non_finite_keys: tuple[str, ...] = ("numerics/consecutive_non_finite",),
+                run: RunFolder | None = None) -> tuple[Any, dict[str, float]]:
     """Runs ``step`` until ``steps`` (resuming from ``out/checkpoints``); ``checkpoint_every=None``: no checkpoints.
 
     ``state`` is a ``DistillState`` or any pytree the step carries (TDD-adv: ``AdversarialState``, whose
-    discriminator is checkpointed with it). Returns the final state and the last metric row. Raises
-    ``NonFiniteError`` after ``max_consecutive_non_finite`` consecutive skipped steps counted by any of
-    ``non_finite_keys``, having saved the unchanged state.
+    discriminator is checkpointed with it). ``run``: the entered ``RunFolder`` of ``out``, required with
+    checkpoints. Returns the final state and the last metric row. Raises ``NonFiniteError`` after
+    ``max_consecutive_non_finite`` consecutive skipped steps counted by any of ``non_finite_keys``, having saved
+    the unchanged state, and ``Preempted`` after a stop signal.
     """
+    if checkpoint_every is not None and run is None:
+        raise ValueError("distil_loop: checkpoints need the entered RunFolder of out (run=...)")
     guard = NonFiniteGuard(max_consecutive_non_finite, non_finite_keys)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", max_to_keep=2) if checkpoint_every is not None else None
     start, position = 0, 0
-    if ckpt is not None and ckpt.latest_step() is not None:
-        state, loop, start = ckpt.restore(state)
-        position = int(loop["data_position"])
-    truncate_metrics(out / "metrics.jsonl", start)
+    if ckpt is not None:
+        state, loop, start = run.resume(ckpt, state, steps)
+        position = int(loop["data_position"]) if start else 0
+    else:
+        keep_rows(out / "metrics.jsonl", 0)
     batches = cache_batches(data, batch_size, seed, start=position)
     last: dict[str, Any] = {}
 
     def checkpoint(done: int) -> None:
-        ckpt.save(done, state, {"step": done, "data_position": done})
+        ckpt.save(done, state, {"step": done, "data_position": done, **run.checkpoint_record})
 
     try:
         with MetricWriter(out) as writer, PreemptionHandler() as preemption, \
@@ -83,7 +79,8 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
                         logging.error("saved the last finite state as checkpoint %d in %s", i + 1, ckpt.directory)
                     raise
                 if stop:
-                    break
+                    raise preemption.stop(f"saved checkpoint {i + 1} in {ckpt.directory}" if ckpt is not None
+                                          else f"stopped after step {i + 1} (checkpoints are off: nothing saved)")
     finally:
         if ckpt is not None:
             ckpt.close()

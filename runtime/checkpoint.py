@@ -4,17 +4,21 @@ Each step is one folder ``<directory>/<step>/`` with two items: ``state`` (any
 pytree of arrays: parameters, optimizer state, step, RNG keys) and ``loop`` (JSON:
 data position, environment seeds, counters). Orbax writes into a temporary folder
 and renames it when complete, so an interrupted save is never taken as a
-checkpoint. Restores land directly on the shardings of a target state.
+checkpoint. Restores land directly on the shardings of a target state; a trainer's
+restore moves an unreadable step aside to ``<directory>.unreadable/`` (never deletes
+it), so the step can be written again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,10 @@ def _data_to_keys(restored: Any, target: Any) -> Any:
         restored, target)
 
 
+class NoReadableCheckpoint(RuntimeError):
+    """Every checkpoint of a folder failed to restore."""
+
+
 class Checkpointer:
     """Saves and restores ``(state, loop_state)`` pairs, keeping the last ``max_to_keep``.
 
@@ -51,14 +59,18 @@ class Checkpointer:
       directory: checkpoint root folder (created if missing).
       max_to_keep: number of most recent checkpoints kept; older ones are deleted.
       async_save: write in a background thread (call ``wait`` before exiting).
+      create: create ``directory`` if missing; ``False`` (readers) raises ``FileNotFoundError`` instead.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = False):
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = False,
+                 create: bool = True):
         if max_to_keep < 1:
             raise ValueError(f"checkpoint.max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
+        if not create and not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"no checkpoint folder {self.directory}")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
+            max_to_keep=max_to_keep, create=create, enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "loop"))
 
@@ -82,13 +94,33 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any], int]:
+    def set_aside(self, step: int) -> str:
+        """Moves checkpoint ``step`` to ``<directory>.unreadable/<step>`` (a free name); returns where it went.
+
+        Process 0 moves it; on several processes all wait for the move before reading the steps again.
+        """
+        aside = self.directory + ".unreadable"
+        target = os.path.join(aside, str(step))
+        if os.path.exists(target):
+            target += f".{time.time_ns()}"
+        if jax.process_index() == 0:
+            os.makedirs(aside, exist_ok=True)
+            os.replace(os.path.join(self.directory, str(step)), target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint step {step} set aside")
+        self._manager.reload()
+        return target
+
+    def restore(self, target: Any, step: int | None = None, *,
+                set_aside: bool = False) -> tuple[Any, dict[str, Any], int]:
         """Restores a checkpoint onto the shardings of ``target``.
 
         Args:
           target: a state with the structure, shapes, dtypes and shardings to restore into.
           step: which checkpoint; default the latest readable one. If the latest is
             corrupted, falls back to the previous one with a warning.
+          set_aside: move each unreadable checkpoint passed over aside (``set_aside``), so
+            that a resumed run can write its step again.
 
         Returns:
           ``(state, loop_state, step)``.
@@ -109,10 +141,12 @@ class Checkpointer:
                     raise
                 log.warning("checkpoint step %d in %s is unreadable (%s); falling back to the previous one",
                             candidate, self.directory, error)
+                if set_aside:
+                    log.warning("moved unreadable checkpoint step %d to %s", candidate, self.set_aside(candidate))
                 errors.append(f"step {candidate}: {error}")
                 continue
             return _data_to_keys(restored.state, target), dict(restored.loop), candidate
-        raise RuntimeError(f"no readable checkpoint in {self.directory}: " + "; ".join(errors))
+        raise NoReadableCheckpoint(f"no readable checkpoint in {self.directory}: " + "; ".join(errors))
 
     def close(self) -> None:
         self._manager.close()

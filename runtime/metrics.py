@@ -1,7 +1,8 @@
 """Scalar metrics to JSONL and TensorBoard, and a progress display for long loops.
 
 Only process 0 writes; other processes get a writer that does nothing, so launch
-scripts call ``write`` unconditionally.
+scripts call ``write`` unconditionally. Files are opened at the first ``write``, so a
+run folder's earlier history can be moved away after the writer is made.
 """
 
 from __future__ import annotations
@@ -46,21 +47,23 @@ class MetricWriter:
     def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None,
                  wandb: WandbLogger | None = None):
         self.logdir = os.fspath(logdir)
+        self.path = os.path.join(self.logdir, "metrics.jsonl")
         self._wandb = wandb
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self.tensorboard = tensorboard
         self._jsonl = None
         self._tb = None
-        if self.enabled:
-            os.makedirs(self.logdir, exist_ok=True)
-            self._jsonl = open(os.path.join(self.logdir, "metrics.jsonl"), "a", encoding="utf-8")
-            if tensorboard:
-                self._tb = SummaryWriter(logdir=self.logdir, flush_secs=10)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Writes one row of scalars for ``step``; returns them as floats."""
         scalars = to_scalars(metrics)
         if not self.enabled:
             return scalars
+        if self._jsonl is None:
+            os.makedirs(self.logdir, exist_ok=True)
+            self._jsonl = open(self.path, "a", encoding="utf-8")
+            if self.tensorboard:
+                self._tb = SummaryWriter(logdir=self.logdir, flush_secs=10)
         row = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
@@ -74,15 +77,13 @@ class MetricWriter:
     def discard_after(self, step: int) -> None:
         """Drops the ``metrics.jsonl`` rows of steps after ``step``: a run resumed from checkpoint
         ``step`` writes them again (TensorBoard shows the latest value of a step anyway)."""
-        if self._jsonl is None:
+        if not self.enabled:
             return
-        path = self._jsonl.name
-        self._jsonl.close()
-        rows = [row for row in read_jsonl(path) if row["step"] <= step]
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-        os.replace(path + ".tmp", path)
-        self._jsonl = open(path, "a", encoding="utf-8")
+        if self._jsonl is not None:
+            self._jsonl.close()
+        keep_rows(self.path, step)
+        if self._jsonl is not None:
+            self._jsonl = open(self.path, "a", encoding="utf-8")
 
     def flush(self) -> None:
         if self._jsonl is not None:
@@ -112,6 +113,17 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Reads a ``metrics.jsonl`` file back into a list of rows."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def keep_rows(path: str | os.PathLike, last_step: int) -> None:
+    """Keeps the rows of a ``metrics.jsonl`` file with ``step <= last_step`` (atomic rewrite; no file: nothing)."""
+    if not os.path.isfile(path):
+        return
+    rows = [row for row in read_jsonl(path) if row["step"] <= last_step]
+    tmp = os.fspath(path) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(tmp, path)
 
 
 class ProgressBar:

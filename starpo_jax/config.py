@@ -155,7 +155,7 @@ class TrainerConfig:
     project_name: str = "ragen_latest"
     experiment_name: str = "test"
     total_training_steps: int = 200
-    test_freq: int = 10
+    test_freq: int = 10  # validate every test_freq iterations; <= 0: never (RAGEN / verl)
     save_freq: int = -1
     val_before_train: bool = True
     validation_steps: int = 1
@@ -425,6 +425,8 @@ def _validate_rollout(config: StarPOConfig) -> None:
 def validate(config: StarPOConfig) -> StarPOConfig:
     """Checks every field's type and the cross-field rules of RAGEN's ``train.py``; returns ``config``."""
     _check_types(config)
+    _require(config.trainer.total_training_steps >= 1, f"trainer.total_training_steps must be >= 1, "
+                                                       f"got {config.trainer.total_training_steps}")
     _require(config.trainer.max_consecutive_non_finite >= 1, f"trainer.max_consecutive_non_finite must be >= 1, "
                                                              f"got {config.trainer.max_consecutive_non_finite}")
     check_loggers(config.trainer.logger)

@@ -24,6 +24,7 @@ import io
 import json
 import os
 import tarfile
+import zipfile
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import jax
@@ -280,6 +281,20 @@ def _conditioning(arrays: dict[str, np.ndarray], time_ids: np.ndarray | None) ->
     return Conditioning(arrays["context"], added or None)
 
 
+def _read_npz(path: str, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """The arrays of one cache file; raises ``ValueError`` naming the file (and the array) when it is unreadable."""
+    try:
+        with np.load(path) as f:
+            arrays = {k: f[k] for k in f.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise ValueError(f"cache file {path} is corrupt or truncated ({type(error).__name__}: {error}); "
+                         f"delete the cache folder to rebuild it") from None
+    missing = [k for k in keys if k not in arrays]
+    if missing:
+        raise ValueError(f"cache file {path} lacks the array(s) {missing}")
+    return arrays
+
+
 def load_cache(cache_dir: str | os.PathLike, latent_sampling: str = "sample") -> tuple[DistillBatch, Conditioning]:
     """All cached examples as one ``DistillBatch`` of NumPy arrays, and the encoded empty prompt (batch 1).
 
@@ -293,9 +308,9 @@ def load_cache(cache_dir: str | os.PathLike, latent_sampling: str = "sample") ->
     names = sorted(n for n in os.listdir(cache_dir) if n.startswith("shard_") and n.endswith(".npz"))
     if not names:
         raise FileNotFoundError(f"no shard_*.npz files in cache folder {cache_dir!r}")
-    shards = [dict(np.load(os.path.join(cache_dir, n))) for n in names]
+    shards = [_read_npz(os.path.join(cache_dir, n), ("latents", "context", "time_ids")) for n in names]
     arrays = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
-    empty = dict(np.load(os.path.join(cache_dir, EMPTY_PROMPT_FILE)))
+    empty = _read_npz(os.path.join(cache_dir, EMPTY_PROMPT_FILE), ("context",))
     logvar = arrays.get("latents_logvar") if latent_sampling == "sample" else None
     return (DistillBatch(arrays["latents"], _conditioning(arrays, arrays["time_ids"]), logvar),
             _conditioning(empty, None))

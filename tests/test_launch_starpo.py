@@ -56,7 +56,7 @@ def test_trainer_runs_logs_ragen_metrics_checkpoints_and_exports(checkpoint, tmp
     assert val[0]["text"].startswith("<|im_start|>system\nYou're a helpful assistant. <|im_end|>")
     exported = json.loads((tmp_path / "hf_model" / "config.json").read_text())
     assert exported["architectures"] == ["Qwen2ForCausalLM"]
-    last = run(checkpoint, tmp_path, steps=2)
+    last = run(checkpoint, tmp_path, 2, "--allow-change", "trainer.total_training_steps")
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     assert "val/BanditTest/success" in last
 
@@ -81,7 +81,7 @@ def test_preset_defaults_to_ppo_on_a_model_and_to_the_demo_preset_without_one(ch
     """No ``--preset``: ``starpo-s-ppo`` (GAE) on ``model_path``; the demo's StarPO-S GRPO without it."""
     from launch import demo_starpo
     seen = {}
-    monkeypatch.setattr(starpo, "train", lambda config, mesh, out: seen.update(trainer=config))
+    monkeypatch.setattr(starpo, "train", lambda config, mesh, out, **_: seen.update(trainer=config))
     monkeypatch.setattr(demo_starpo, "run", lambda out, mesh, preset, overrides, config: seen.update(demo=preset))
     starpo.main(["--mesh", "1,-1,1", f"model_path={checkpoint}"])
     starpo.main(["--mesh", "1,-1,1"])

@@ -1,13 +1,16 @@
 """launch.tdd end to end on tiny inputs: the digits demo's fast preset; distil / export / sample on a tiny
-diffusers folder written by diffusers itself; clear errors; a SIGKILLed distillation resumes bit-identically."""
+diffusers folder written by diffusers itself; clear errors; a SIGKILLed distillation resumes bit-identically;
+the run folder is safe (a changed config refused, a corrupt checkpoint set aside, SIGTERM exits with 75)."""
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from launch import tdd
 from launch.tdd_demo import FAST, DemoConfig, run_demo
 from runtime.guards import NonFiniteError
 from runtime.metrics import read_jsonl
+from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
+from runtime.run_folder import RunFolderError
 from tdd_jax.models.diffusers_io import load_unet
 from tdd_jax.models.lora import named_layers
 from tdd_jax.models.lora_io import import_lora, read_lora_file
@@ -234,3 +239,66 @@ def test_sigkilled_distillation_resumes_bit_identically(pipeline_dir, first_run,
     assert ours.keys() == theirs.keys()
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=f"{key} (killed after step {kill_after})")
+
+
+def distil_args(pipeline_dir, images, out, *extra):  # noqa: F811
+    return ["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"data={images}", f"out={out}", *extra]
+
+
+def test_tdd_run_folder_refuses_mixed_runs_and_bad_paths(first_run, pipeline_dir, images, tmp_path):  # noqa: F811
+    reference, _ = first_run
+    record = (reference / "config.json").read_text()
+    with pytest.raises(RunFolderError, match=r"changed keys:\n  distill.learning_rate: 0.001 -> 0.01\n"):
+        tdd.main(distil_args(pipeline_dir, images, reference, "distill.learning_rate=1e-2"))
+    assert (reference / "config.json").read_text() == record and "out" not in json.loads(record)
+    (tmp_path / "nodata").mkdir()
+    with pytest.raises(ValueError, match=r"data: folder .*nodata' holds no images \(.jpg, .jpeg, .png, .webp\) and "
+                                         r"no .tar shards"):
+        tdd.main(["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"data={tmp_path / 'nodata'}",
+                  f"out={tmp_path / 'o'}"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"output folder: .*file is a file"):
+        tdd.main(distil_args(pipeline_dir, images, tmp_path / "file"))
+    (tmp_path / "no_ckpt").mkdir()
+    shutil.copy(reference / "config.json", tmp_path / "no_ckpt")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint folder .*no_ckpt/checkpoints"):
+        tdd.main(["export", f"run={tmp_path / 'no_ckpt'}"])
+    with pytest.raises(ValueError, match=r"out: .* is a folder, not a file"):
+        tdd.main(["export", f"run={reference}", f"out={tmp_path}"])
+    assert sorted(os.listdir(tmp_path)) == ["file", "no_ckpt", "nodata"]
+    assert os.listdir(tmp_path / "no_ckpt") == ["config.json"]
+
+
+def signal_after_row(path, step):
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if path.is_file() and any(r["step"] >= step for r in read_jsonl(path)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.005)
+
+
+def test_tdd_corrupt_checkpoint_then_sigterm_then_finish(first_run, pipeline_dir, images, tmp_path,  # noqa: F811
+                                                         caplog):
+    """``first_run`` (checkpoints 3, 4) with checkpoint 4 missing its state, extended to 8 steps: falls back to 3,
+    retrains step 4 exactly, stops on SIGTERM with code 75 after saving, and a rerun finishes."""
+    reference, _ = first_run
+    folder = tmp_path / "run"
+    shutil.copytree(reference, folder, ignore=shutil.ignore_patterns("lora.safetensors", ".lock"))
+    shutil.rmtree(folder / "checkpoints" / "4" / "state")
+    argv = distil_args(pipeline_dir, images, folder, "max_train_steps=8", "--allow-change", "max_train_steps")
+    sender = threading.Thread(target=signal_after_row, args=(folder / "metrics.jsonl", 5))
+    sender.start()
+    with pytest.raises(Preempted) as stopped:
+        tdd.main(argv)
+    sender.join()
+    assert stopped.value.code == PREEMPTED_EXIT_CODE
+    rows = read_jsonl(folder / "metrics.jsonl")
+    saved = rows[-1]["step"]
+    assert 5 <= saved <= 8 and [r["step"] for r in rows] == list(range(1, saved + 1))
+    assert f"SIGTERM: saved checkpoint {saved} in {folder / 'checkpoints'}; exiting with code 75" in caplog.text
+    assert rows[:4] == read_jsonl(reference / "metrics.jsonl")  # step 4 retrained from checkpoint 3, exactly
+    assert (folder / "checkpoints.unreadable" / "4").is_dir() and not (folder / "lora.safetensors").exists()
+    tdd.main(argv)
+    assert [r["step"] for r in read_jsonl(folder / "metrics.jsonl")] == list(range(1, 9))
+    assert (folder / "lora.safetensors").is_file()

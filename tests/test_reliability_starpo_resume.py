@@ -1,6 +1,6 @@
-"""The StarPO trainer (``python -m launch.starpo``) survives SIGTERM and SIGKILL bit for bit, and stops on
-repeated non-finite updates after saving; an interrupted checkpoint write is never taken as the latest;
-a resumed run rewrites the metric rows after its checkpoint."""
+"""The StarPO trainer (``python -m launch.starpo``) survives SIGTERM (exit code 75) and SIGKILL bit for bit,
+and stops on repeated non-finite updates after saving; an interrupted checkpoint write is never taken as
+the latest; a resumed run rewrites the metric rows after its checkpoint."""
 
 import json
 import os
@@ -25,6 +25,7 @@ from runtime.checkpoint import Checkpointer
 from runtime.guards import NonFiniteError, NonFiniteGuard
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.metrics import MetricWriter, read_jsonl
+from runtime.preemption import PREEMPTED_EXIT_CODE
 from runtime.sharding import create_sharded
 from runtime.train_state import init_train_state
 from runtime_fixtures import TinyMLP
@@ -96,8 +97,9 @@ def interrupted_run(model: Path, out: Path, rng: random.Random, log: list[str]) 
     wait_for_checkpoint(proc, out, term_after)
     proc.send_signal(signal.SIGTERM)
     rc, output = finish(proc)
-    assert rc == 0, output[-3000:]
+    assert rc == PREEMPTED_EXIT_CODE, output[-3000:]
     stopped = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert f"SIGTERM: saved checkpoint {stopped} in {out / 'checkpoints'}; exiting with code 75" in output
     # The signal arrived after the stop check of step term_after: the run saves after the next step and exits.
     assert stopped == term_after + 1 and not (out / "hf_model").exists(), (term_after, stopped)
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(1, stopped + 1))

@@ -24,7 +24,7 @@ from runtime.mesh import LOGICAL_AXIS_RULES
 from runtime.sharding import state_shardings
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.lora import LoRAConfig
-from starpo_jax.models.safetensors_io import SafetensorsIndex, write_file, write_sharded
+from starpo_jax.models.safetensors_io import INDEX_FILE, SafetensorsIndex, write_file, write_sharded
 from starpo_jax.models.transformer import CausalLM, Critic
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -43,6 +43,21 @@ def resolve_folder(name_or_path: str | Path, cache_dir: str | Path | None = None
     except Exception as e:  # huggingface_hub raises several types for a missing or invalid id
         raise FileNotFoundError(f"{name_or_path!r} is neither a local folder nor a model in the local "
                                 f"Hugging Face cache ({type(e).__name__}: {e})") from None
+
+
+def check_model_folder(name_or_path: str | Path) -> Path:
+    """The resolved model folder, after checking that it holds ``config.json`` and safetensors weights.
+
+    Raises ``FileNotFoundError`` naming the folder and what it lacks (before any tokenizer or model loads).
+    """
+    folder = resolve_folder(name_or_path)
+    lacking = [] if (folder / "config.json").is_file() else ["config.json"]
+    if not (folder / INDEX_FILE).is_file() and not any(folder.glob("*.safetensors")):
+        lacking.append(f"*.safetensors weights or {INDEX_FILE}")
+    if lacking:
+        raise FileNotFoundError(f"model_path {folder} is not a Hugging Face model folder: it lacks "
+                                f"{' and '.join(lacking)}")
+    return folder
 
 
 @contextlib.contextmanager
@@ -138,6 +153,8 @@ def _check_tensors(index: SafetensorsIndex, expected: dict[str, tuple[int, ...]]
         info = index.tensors[key]
         if info.shape != shape:
             raise ValueError(f"tensor {key!r} in {info.file.name} has shape {info.shape}, expected {shape}")
+        if not jax.dtypes.issubdtype(info.dtype, np.floating):
+            raise ValueError(f"tensor {key!r} in {info.file.name} has dtype {info.dtype}, expected a floating type")
 
 
 def load_pretrained(name_or_path: str | Path, mesh: Mesh, *, critic: bool = False, lora: LoRAConfig | None = None,

@@ -77,25 +77,44 @@ class SafetensorsIndex:
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Parses the JSON header of one safetensors file."""
+    """Parses the JSON header of one safetensors file.
+
+    Raises ``ValueError`` naming the file (and the tensor) for a truncated or corrupt file: a header
+    or tensor data that reaches past the end of the file, an entry whose byte range does not hold its
+    shape and dtype, or an unsupported dtype.
+    """
+    size = Path(file).stat().st_size
     with open(file, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
             raise ValueError(f"{file} is not a safetensors file (shorter than 8 bytes)")
         (length,) = struct.unpack("<Q", prefix)
+        if length > size - 8:
+            raise ValueError(f"{file} is truncated or not a safetensors file: its header claims {length} bytes, "
+                             f"the file has {size}")
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{file} has a corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} has a corrupt safetensors header: not a JSON object")
     start = 8 + length
     result = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if entry["dtype"] not in DTYPES:
-            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-        result[name] = TensorInfo(file, np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"]),
-                                  start + entry["data_offsets"][0])
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{file}: tensor {name!r} has a malformed header entry {entry!r}") from None
+        if dtype not in DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize or begin < 0:
+            raise ValueError(f"{file}: tensor {name!r} of shape {shape} and dtype {dtype} has a byte range "
+                             f"[{begin}, {end}) of the wrong size")
+        if start + end > size:
+            raise ValueError(f"{file} is truncated: tensor {name!r} ends at byte {start + end}, the file has {size}")
+        result[name] = TensorInfo(file, np.dtype(DTYPES[dtype]), shape, start + begin)
     return result
 
 

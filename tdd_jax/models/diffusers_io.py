@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from runtime.sharding import state_shardings
 from tdd_jax.models.clip import CLIPTextConfig, CLIPTextModel
@@ -112,13 +112,19 @@ class TensorFile(NamedTuple):
         for path in paths:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"missing weights file {path}")
-            with safe_open(path, framework="numpy") as f:
-                files.update({key: path for key in f.keys()})
+            try:
+                with safe_open(path, framework="numpy") as f:
+                    files.update({key: path for key in f.keys()})
+            except SafetensorError as error:
+                raise ValueError(f"weights file {path} is corrupt or truncated: {error}") from None
         return cls(files)
 
     def get(self, key: str) -> np.ndarray:
-        with safe_open(self.files[key], framework="numpy") as f:
-            return f.get_tensor(key)
+        try:
+            with safe_open(self.files[key], framework="numpy") as f:
+                return f.get_tensor(key)
+        except (SafetensorError, TypeError, ValueError) as error:
+            raise ValueError(f"tensor {key!r} in {self.files[key]} cannot be read: {error}") from None
 
 
 def add_variant(name: str, variant: str | None) -> str:
@@ -188,6 +194,9 @@ def load_state(state: nnx.State, tensors: TensorFile, mesh: Mesh | None = None, 
             continue
         used.add(key)
         array = torch_to_ours(tensors.get(key), row.path[-1], len(row.shape))
+        if not jax.dtypes.issubdtype(array.dtype, np.floating):
+            raise ValueError(f"tensor {key!r} in {tensors.files[key]} has dtype {array.dtype}, "
+                             "expected a floating type")
         if array.shape != row.shape:
             raise ValueError(f"tensor {key!r} in {tensors.files[key]} has shape {array.shape} after conversion, "
                              f"the model expects {row.shape} (check the config)")

@@ -1,8 +1,8 @@
 """The resumable distillation loop shared by ``launch.tdd distil`` and the digits demo.
 
 A checkpoint holds the whole ``DistillState`` (parameters, optimizer state, step, RNG key, EMA) and
-the loop state ``{"step", "data_position"}``; batches come from ``tdd_jax.data.cache_batches`` started
-at ``data_position``, so a resumed run draws the same batches and keys as an uninterrupted one.
+the loop state ``{"step", "data_position"}``; batches come from ``tdd_jax.data.cache_batches`` (or
+``tdd_jax.fresh_crops.crop_batches``) started at ``data_position``, so a resumed run draws the same batches and keys as an uninterrupted one.
 Metric rows written after the restored step (by a run killed before its next checkpoint) are dropped
 from ``metrics.jsonl`` on resume. SIGTERM saves a checkpoint at the next step boundary and returns.
 """
@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from jax.sharding import Mesh
 
@@ -40,13 +40,15 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
                 data: DistillBatch, mesh: Mesh, *, steps: int, batch_size: int, seed: int, out: Path,
                 checkpoint_every: int | None, description: str = "distil",
                 max_consecutive_non_finite: int = 5,
-                non_finite_keys: tuple[str, ...] = ("numerics/consecutive_non_finite",)) -> tuple[Any, dict[str, float]]:
+                non_finite_keys: tuple[str, ...] = ("numerics/consecutive_non_finite",),
+                stream: Callable[[int], Iterator] | None = None) -> tuple[Any, dict[str, float]]:
     """Runs ``step`` until ``steps`` (resuming from ``out/checkpoints``); ``checkpoint_every=None``: no checkpoints.
 
     ``state`` is a ``DistillState`` or any pytree the step carries (TDD-adv: ``AdversarialState``, whose
     discriminator is checkpointed with it). Returns the final state and the last metric row. Raises
     ``NonFiniteError`` after ``max_consecutive_non_finite`` consecutive skipped steps counted by any of
-    ``non_finite_keys``, having saved the unchanged state.
+    ``non_finite_keys``, having saved the unchanged state. Batches come from ``stream(data_position)``
+    (default ``cache_batches`` of ``data``; ``latent_cache=none``: ``fresh_crops.crop_batches``).
     """
     guard = NonFiniteGuard(max_consecutive_non_finite, non_finite_keys)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +58,7 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
         state, loop, start = ckpt.restore(state)
         position = int(loop["data_position"])
     truncate_metrics(out / "metrics.jsonl", start)
-    batches = cache_batches(data, batch_size, seed, start=position)
+    batches = stream(position) if stream else cache_batches(data, batch_size, seed, start=position)
     last: dict[str, Any] = {}
 
     def checkpoint(done: int) -> None:

@@ -11,19 +11,27 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from PIL import Image
 from safetensors.numpy import load_file
 
 from launch import tdd
 from launch.tdd_demo import FAST, DemoConfig, run_demo
 from runtime.guards import NonFiniteError
+from runtime.mesh import MeshConfig, make_mesh
 from runtime.metrics import read_jsonl
-from tdd_jax.models.diffusers_io import load_unet
+from tdd_jax.data import preprocess
+from tdd_jax.distill import DistillBatch, Unconditional, make_distill_step
+from tdd_jax.fresh_crops import EncoderFrozen, PixelBatch, crop_batches, encoding_step
+from tdd_jax.models.diffusers_io import load_pipeline, load_unet
 from tdd_jax.models.lora import named_layers
 from tdd_jax.models.lora_io import import_lora, read_lora_file
-from test_tdd_models_io import pipeline_dir  # noqa: F401  (a tiny diffusers folder, reused as a fixture)
+from tdd_jax.sampler import Conditioning
+from test_tdd_data import make_image
+from test_tdd_models_io import UNET, pipeline_dir  # noqa: F401  (a tiny diffusers folder, reused as a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -234,3 +242,58 @@ def test_sigkilled_distillation_resumes_bit_identically(pipeline_dir, first_run,
     assert ours.keys() == theirs.keys()
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=f"{key} (killed after step {kill_after})")
+
+
+def test_fresh_crops_every_visit_and_resumable_stream():
+    """latent_cache=none: each visit of an image is a new crop by the cache path's ``preprocess``."""
+    images = [make_image(i, size=(32, 8)) for i in range(4)]  # resolution 8: left in 0..24
+    cond = Conditioning(np.arange(4, dtype=np.float32)[:, None, None], {"text_embeds": np.ones((4, 2), np.float32)})
+    stream = crop_batches(images, cond, 8, batch_size=4, seed=5, use_fix_crop_and_size=False)
+    visits = [next(stream) for _ in range(6)]  # one batch is one epoch
+    lefts = {i: set() for i in range(4)}
+    for epoch, batch in enumerate(visits):
+        for row, image in enumerate(batch.cond.context[:, 0, 0].astype(int)):
+            crop = preprocess(images[image], 8, np.random.default_rng((5, epoch, image)), use_fix_crop_and_size=False)
+            np.testing.assert_array_equal(batch.pixels[row], crop.pixels)
+            np.testing.assert_array_equal(batch.cond.added["time_ids"][row], crop.time_ids)
+            lefts[image].add(int(crop.time_ids[3]))
+    assert all(len(seen) > 1 for seen in lefts.values())  # two visits of an image show different crops
+    resumed = crop_batches(images, cond, 8, batch_size=4, seed=5, start=3, use_fix_crop_and_size=False)
+    np.testing.assert_array_equal(next(resumed).pixels, visits[3].pixels)
+
+
+def test_encoding_step_draws_from_the_posterior_of_the_crop(pipeline_dir):  # noqa: F811
+    """The step's latent is encode(crop).mean + std·ε, ε from the step's key, as the cached-posterior step draws it."""
+    cfg = dataclasses.replace(tdd.DISTIL_PRESETS["tiny"], teacher=str(pipeline_dir))
+    mesh = make_mesh(MeshConfig(*cfg.mesh))
+    with jax.set_mesh(mesh):
+        vae = load_pipeline(str(pipeline_dir), mesh, components=("vae",)).vae
+        graphdef, state, frozen, abar, _ = tdd.build_student(cfg, mesh)
+        step = make_distill_step(graphdef, cfg.distill.schedule(abar), cfg.distill)
+        vae_graphdef, vae_state = nnx.split(vae)
+        pixels = np.random.default_rng(0).uniform(-1, 1, (8, 8, 8, 3)).astype(np.float32)
+        context = np.random.default_rng(1).normal(size=(8, 3, UNET["cross_attention_dim"])).astype(np.float32)
+        empty = Conditioning(np.zeros((1,) + context.shape[1:], np.float32))
+        uncond = Unconditional(empty, empty)
+        posterior = vae.scale_posterior(vae.encode(pixels))
+        latents = posterior.sample(jax.random.fold_in(jax.random.split(state.rng)[1], 2))
+        _, encoded = jax.jit(encoding_step(step, vae_graphdef))(state, EncoderFrozen(frozen, vae_state), uncond,
+                                                                PixelBatch(pixels, Conditioning(context)))
+        _, drawn = jax.jit(step)(state, frozen, uncond, DistillBatch(latents, Conditioning(context)))
+    np.testing.assert_allclose(float(encoded["loss"]), float(drawn["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(encoded["grad_norm"]), float(drawn["grad_norm"]), rtol=1e-4)
+    assert float(encoded["loss"]) > 0.0
+
+
+def test_distil_without_latent_cache(pipeline_dir, images, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    argv = ["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"data={images}", f"out={out}"]
+    with pytest.raises(ValueError, match="^latent_cache: must be one of"):
+        tdd.main(argv + ["latent_cache=None"])
+    with pytest.raises(ValueError, match="^cache: latent_cache=none"):
+        tdd.main(argv + ["latent_cache=none", f"cache={tmp_path}"])
+    with pytest.raises(ValueError, match="^crops_per_image:"):
+        tdd.main(argv + ["latent_cache=none", "crops_per_image=2"])
+    last = tdd.main(argv + ["latent_cache=none"])
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4] and np.isfinite(last["loss"])
+    assert (out / "lora.safetensors").is_file() and not (out / "cache").exists()

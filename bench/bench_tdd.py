@@ -15,8 +15,8 @@ the update, the loss change the update caused. Then it prints our compile time, 
 step times and the ratio ours / torch (below 1 means ours is faster). Then the cost of fresh
 augmentation (issue 32): our step with the latent drawn inside it from a cached VAE posterior
 (``DistillBatch.latents_logvar``) against the fixed-latent step, and one VAE encode of the batch's
-pixels (8x the latent size; an SD-like ``AutoencoderKL`` with ``--vae-channels``), what re-encoding
-every step (no cache) would add. PyTorch runs on
+pixels (8x the latent size; an SD-like ``AutoencoderKL`` with ``--vae-channels``), and the
+``latent_cache=none`` step that encodes those pixels inside it (``tdd_jax.fresh_crops.encoding_step``). PyTorch runs on
 ``--torch-threads`` threads (default 1: with 2 threads on a loaded 2-core machine one UNet forward was 30-100x slower);
 XLA uses every core unless started with
 ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``.
@@ -38,6 +38,7 @@ from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded, shard_batch
 from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile_distill_step, draw_distill_sample,
                              init_distill_state, make_distill_step, split_model, unconditional_embedding)
+from tdd_jax.fresh_crops import EncoderFrozen, PixelBatch, encoding_step
 from tdd_jax.models.diffusers_io import load_unet
 from tdd_jax.models.lora import LoraConfig, add_lora
 from tdd_jax.models.lora_io import export_peft
@@ -200,7 +201,8 @@ def main():
 
 
 def augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, mesh, args):
-    """Step time with the latent drawn from the posterior vs fixed latents, and one VAE encode of the batch."""
+    """Step time with fixed latents, ``latent_cache=posterior`` (latent drawn from the cached posterior) and
+    ``latent_cache=none`` (the step encodes the pixels with the VAE, then draws), and one VAE encode alone."""
     logvar = np.full(batch.latents.shape, -2.0, np.float32)
     with jax.set_mesh(mesh):
         posterior = shard_batch(jax.device_get(batch)._replace(latents_logvar=logvar), mesh)
@@ -212,22 +214,30 @@ def augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, m
         pixels = np.random.default_rng(1).uniform(-1, 1, (args.batch, 8 * args.size, 8 * args.size, 3))
         encode = nnx.jit(lambda vae, x: tuple(vae.scale_posterior(vae.encode(x))))
         jax.block_until_ready(encode(vae, pixels.astype(np.float32)))
+        vae_graphdef, vae_state = nnx.split(vae)
+        with_vae = EncoderFrozen(frozen, vae_state)
+        crops = shard_batch(PixelBatch(pixels.astype(np.float32), jax.device_get(batch).cond), mesh)
+        fresh = compile_distill_step(encoding_step(make_distill_step(graphdef, schedule, DISTILL), vae_graphdef),
+                                     state, with_vae, crops, mesh).lower(state, with_vae, uncond, crops).compile()
     states = {"fixed": state}
 
-    def timed(name, fn, b):
+    def timed(name, fn, f, b):
         def run():
-            states[name], m = fn(states[name], frozen, uncond, b)
+            states[name], m = fn(states[name], f, uncond, b)
             jax.block_until_ready(m)
         return run
 
-    states["sampled"] = jax.tree.map(jnp.copy, state)
-    fixed_s, sampled_s, encode_s = interleaved_medians(
-        [timed("fixed", step, batch), timed("sampled", sampled, posterior),
+    states["sampled"], states["fresh"] = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, state)
+    fixed_s, sampled_s, fresh_s, encode_s = interleaved_medians(
+        [timed("fixed", step, frozen, batch), timed("sampled", sampled, frozen, posterior),
+         timed("fresh", fresh, with_vae, crops),
          lambda: jax.block_until_ready(encode(vae, pixels.astype(np.float32)))], args.repeats)
-    print(f"{'ours':36s} {'s':>9s} {'/ fixed step':>13s}")
-    for name, seconds in (("step, fixed latents", fixed_s), ("step, latent drawn from posterior", sampled_s),
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'ours':44s} {'s':>9s} {'/ fixed step':>13s} {'img/s':>7s}")
+    for name, seconds in (("step, fixed latents", fixed_s), ("step, latent_cache=posterior", sampled_s),
+                          ("step, latent_cache=none (encodes the crops)", fresh_s),
                           (f"VAE encode {8 * args.size}px x{args.batch} {tuple(args.vae_channels)}", encode_s)):
-        print(f"{name:36s} {seconds:9.3f} {seconds / fixed_s:13.2f}")
+        print(f"{name:44s} {seconds:9.3f} {seconds / fixed_s:13.2f} {args.batch / seconds:7.2f}")
 
 
 if __name__ == "__main__":

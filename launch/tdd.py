@@ -8,7 +8,8 @@
 
 ``distil`` caches the VAE posteriors (mean and log-variance; each step draws a fresh latent) of
 ``crops_per_image`` random crops per image and the text embeddings of ``data`` (an image–caption folder or
-webdataset shards) in ``<out>/cache``, trains LoRA adapters on the UNet with ``tdd_jax.distill`` (with
+webdataset shards) in ``<out>/cache`` (``latent_cache=none``: no latent cache, a fresh crop per visit
+encoded by the VAE in the step, as the reference), trains LoRA adapters on the UNet with ``tdd_jax.distill`` (with
 ``adversarial=true``: TDD-adv, ``tdd_jax.adversarial``, its discriminator checkpointed too), writes metrics
 (``metrics.jsonl`` + TensorBoard) and checkpoints (resumed automatically, exactly; SIGTERM saves and
 exits) and finally the LoRA as ``<out>/lora.safetensors`` (kohya keys with ``.alpha``). Presets ``sdxl``
@@ -45,6 +46,7 @@ from tdd_jax.data import (IMAGE_EXTENSIONS, LATENT_SAMPLING, build_cache, cache_
                           num_crops, save_image_grid, to_uint8)
 from tdd_jax.distill import (DistillConfig, Unconditional, compile_distill_step, init_distill_state,
                              make_distill_step, split_model, unconditional_embedding)
+from tdd_jax.fresh_crops import EncoderFrozen, crop_batches, encoding_step
 from tdd_jax.models.clip import prompt_embeddings, tokenize
 from tdd_jax.models.diffusers_io import load_pipeline, read_config
 from tdd_jax.models.lora import LoraConfig, add_lora
@@ -53,6 +55,7 @@ from tdd_jax.sampler import Conditioning, make_sampling_plan, module_eps_fn, tdd
 from tdd_jax.schedules import alphas_cumprod_from_config
 
 EXPORTERS = {"kohya": export_kohya, "peft": export_peft}
+LATENT_CACHES = ("posterior", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,9 @@ class DistilRunConfig:
     ``max_consecutive_non_finite`` of them in a row stop the run after a checkpoint of the last finite state.
     ``crops_per_image`` K caches K random crops per image (one shown per visit); ``latent_sampling``
     ``sample`` draws each step's latent from the cached posterior (reference), ``mean`` uses its mean.
+    ``latent_cache`` ``posterior`` caches the posteriors of K crops; ``none`` caches only the text
+    embeddings and encodes a fresh crop of every visited image with the VAE inside the step
+    (``tdd_jax.fresh_crops``; the images are held decoded in host memory).
     ``adversarial`` trains TDD-adv with ``adv``; ``max_train_steps`` then counts discriminator and student
     updates together, as the reference's ``global_step``.
     """
@@ -87,6 +93,7 @@ class DistilRunConfig:
     use_fix_crop_and_size: bool = True
     crops_per_image: int = 1
     latent_sampling: str = "sample"
+    latent_cache: str = "posterior"
     adversarial: bool = False
     distill: DistillConfig = DistillConfig(num_microbatches=4)
     adv: AdversarialConfig = AdversarialConfig()
@@ -175,6 +182,15 @@ def check_distil(cfg: DistilRunConfig) -> dict:
                   "lora_rank", "crops_per_image"):
         if getattr(cfg, field) < 1:
             fail(field, f"must be >= 1, got {getattr(cfg, field)}")
+    if cfg.latent_cache not in LATENT_CACHES:
+        fail("latent_cache", f"must be one of {LATENT_CACHES}, got {cfg.latent_cache!r}")
+    if cfg.latent_cache == "none":
+        if cfg.cache:
+            fail("cache", f"latent_cache=none reads no cache folder, but cache={cfg.cache!r} was given")
+        if cfg.crops_per_image != 1:
+            fail("crops_per_image", f"latent_cache=none draws a fresh crop per visit; got {cfg.crops_per_image}")
+        if not (cfg.data and os.path.exists(cfg.data)):
+            fail("data", f"{cfg.data!r} does not exist (latent_cache=none reads the images every run)")
     cache = cfg.cache or os.path.join(cfg.out, "cache")
     has_cache = os.path.isdir(cache) and any(n.startswith("shard_") for n in os.listdir(cache))
     if not has_cache and not (cfg.data and os.path.exists(cfg.data)):
@@ -232,6 +248,16 @@ def cache_data(cfg: DistilRunConfig, cache: Path, sdxl: bool, mesh) -> None:
                 crops_per_image=cfg.crops_per_image)
 
 
+def load_images(cfg: DistilRunConfig, sdxl: bool, mesh):
+    """``latent_cache=none``: the decoded images, their text embeddings, the encoded empty prompt and the VAE."""
+    parts = ("vae", "text_encoder", "tokenizer") + (("text_encoder_2", "tokenizer_2") if sdxl else ())
+    pipe = load_pipeline(cfg.teacher, mesh, components=parts)
+    examples = list(iter_source(cfg.data))
+    conds = [encode_prompts(pipe, [e.caption for e in examples[i:i + 8]], sdxl) for i in range(0, len(examples), 8)]
+    cond = jax.tree.map(lambda *xs: np.concatenate(xs), *conds)
+    return [e.image for e in examples], cond, encode_prompts(pipe, [""], sdxl), pipe.vae
+
+
 def build_student(cfg: DistilRunConfig, mesh):
     """The teacher's UNet with fresh LoRA adapters, split for distillation, plus its ᾱ table.
 
@@ -272,6 +298,8 @@ def distil_in(cfg: DistilRunConfig, run: RunFolder, sdxl: bool) -> dict[str, flo
     mesh = make_mesh(MeshConfig(*cfg.mesh))
     cache = Path(cfg.cache or out / "cache")
     with jax.set_mesh(mesh):
+        if cfg.latent_cache == "none":
+            return distil_fresh_crops(cfg, sdxl, mesh, run)
         if not (cache.is_dir() and any(p.name.startswith("shard_") for p in cache.iterdir())):
             cache_data(cfg, cache, sdxl, mesh)
         data, empty = load_cache(cache, cfg.latent_sampling)
@@ -283,23 +311,44 @@ def distil_in(cfg: DistilRunConfig, run: RunFolder, sdxl: bool) -> dict[str, flo
                                     "give a new cache folder, or latent_sampling=mean to train on them as they are")
         if data.latents.shape[0] < cfg.batch_size:
             fail("batch_size", f"{cfg.batch_size} is larger than the {data.latents.shape[0]} cached examples in {cache}")
-        graphdef, state, frozen, abar, heads_graphdef = build_student(cfg, mesh)
-        uncond = Unconditional(empty, unconditional_embedding(empty, cfg.distill.teacher_uncond))
-        example = next(cache_batches(data, cfg.batch_size))
-        schedule = cfg.distill.schedule(abar)
-        if cfg.adversarial:
-            step = compile_adversarial_step(graphdef, heads_graphdef, schedule, cfg.distill, cfg.adv, state, frozen,
-                                            example, mesh)
-        else:
-            step = compile_distill_step(make_distill_step(graphdef, schedule, cfg.distill), state, frozen, example, mesh)
-        state, last = distil_loop(step, state, frozen, uncond, data, mesh, steps=cfg.max_train_steps,
-                                  batch_size=cfg.batch_size, seed=cfg.seed, out=out,
-                                  checkpoint_every=cfg.checkpointing_steps,
-                                  max_consecutive_non_finite=cfg.max_consecutive_non_finite,
-                                  non_finite_keys=NON_FINITE_KEYS if cfg.adversarial else NON_FINITE_KEYS[:1],
-                                  run=run)
-        if int(state.step) == cfg.max_train_steps:
-            export_kohya(nnx.merge(graphdef, student_params(state), frozen.base), str(out / "lora.safetensors"))
+        return train(cfg, mesh, run, data, empty, next(cache_batches(data, cfg.batch_size)))
+
+
+def distil_fresh_crops(cfg: DistilRunConfig, sdxl: bool, mesh, run: RunFolder) -> dict[str, float]:
+    """``latent_cache=none``: fresh crops per visit, VAE-encoded inside the compiled step."""
+    images, cond, empty, vae = load_images(cfg, sdxl, mesh)
+    if len(images) < cfg.batch_size:
+        fail("batch_size", f"{cfg.batch_size} is larger than the {len(images)} images in {cfg.data}")
+    stream = functools.partial(crop_batches, images, cond, cfg.resolution, cfg.batch_size, cfg.seed,
+                               random_flip=cfg.random_flip, use_fix_crop_and_size=cfg.use_fix_crop_and_size)
+    vae_graphdef, vae_state = nnx.split(vae)
+    return train(cfg, mesh, run, None, empty, next(stream(0)), stream, vae_state,
+                 lambda step: encoding_step(step, vae_graphdef, cfg.latent_sampling == "sample"))
+
+
+def train(cfg: DistilRunConfig, mesh, run: RunFolder, data, empty: Conditioning, example, stream=None,
+          vae_state=None, wrap=lambda step: step) -> dict[str, float]:
+    """Builds and compiles the (``wrap``ped) step, runs ``distil_loop`` in ``run`` and writes the LoRA at the last
+    step."""
+    out = run.out
+    graphdef, state, frozen, abar, heads_graphdef = build_student(cfg, mesh)
+    uncond = Unconditional(empty, unconditional_embedding(empty, cfg.distill.teacher_uncond))
+    schedule = cfg.distill.schedule(abar)
+    step_frozen = frozen if vae_state is None else EncoderFrozen(frozen, vae_state)
+    if cfg.adversarial:
+        step = compile_adversarial_step(graphdef, heads_graphdef, schedule, cfg.distill, cfg.adv, state, step_frozen,
+                                        example, mesh, wrap)
+    else:
+        step = compile_distill_step(wrap(make_distill_step(graphdef, schedule, cfg.distill)), state, step_frozen,
+                                    example, mesh)
+    state, last = distil_loop(step, state, step_frozen, uncond, data, mesh, steps=cfg.max_train_steps,
+                              batch_size=cfg.batch_size, seed=cfg.seed, out=out,
+                              checkpoint_every=cfg.checkpointing_steps,
+                              max_consecutive_non_finite=cfg.max_consecutive_non_finite,
+                              non_finite_keys=NON_FINITE_KEYS if cfg.adversarial else NON_FINITE_KEYS[:1],
+                              run=run, stream=stream)
+    if int(state.step) == cfg.max_train_steps:
+        export_kohya(nnx.merge(graphdef, student_params(state), frozen.base), str(out / "lora.safetensors"))
     return last
 
 

@@ -1,8 +1,9 @@
 """The resumable distillation loop shared by ``launch.tdd distil`` and the digits demo.
 
 A checkpoint holds the whole ``DistillState`` (parameters, optimizer state, step, RNG key, EMA) and
-the loop state ``{"step", "data_position"}``; batches come from ``tdd_jax.data.cache_batches`` started
-at ``data_position``, so a resumed run draws the same batches and keys as an uninterrupted one.
+the loop state ``{"step", "data_position"}``; batches come from ``tdd_jax.data.cache_batches`` (or
+``tdd_jax.fresh_crops.crop_batches``) started at ``data_position``, so a resumed run draws the same batches and
+keys as an uninterrupted one.
 With checkpoints the loop resumes through the run folder's protocol (``runtime.run_folder``): unreadable
 checkpoints are moved aside, metric rows written after the restored step (by a run killed before its next
 checkpoint) are dropped, and an earlier history without a checkpoint is moved to ``previous/``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from jax.sharding import Mesh
 
@@ -32,14 +33,16 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
                 checkpoint_every: int | None, description: str = "distil",
                 max_consecutive_non_finite: int = 5,
                 non_finite_keys: tuple[str, ...] = ("numerics/consecutive_non_finite",),
-                run: RunFolder | None = None) -> tuple[Any, dict[str, float]]:
+                run: RunFolder | None = None,
+                stream: Callable[[int], Iterator] | None = None) -> tuple[Any, dict[str, float]]:
     """Runs ``step`` until ``steps`` (resuming from ``out/checkpoints``); ``checkpoint_every=None``: no checkpoints.
 
     ``state`` is a ``DistillState`` or any pytree the step carries (TDD-adv: ``AdversarialState``, whose
     discriminator is checkpointed with it). ``run``: the entered ``RunFolder`` of ``out``, required with
-    checkpoints. Returns the final state and the last metric row. Raises ``NonFiniteError`` after
-    ``max_consecutive_non_finite`` consecutive skipped steps counted by any of ``non_finite_keys``, having saved
-    the unchanged state, and ``Preempted`` after a stop signal.
+    checkpoints. Batches come from ``stream(data_position)`` (default ``cache_batches`` of ``data``;
+    ``latent_cache=none``: ``fresh_crops.crop_batches``). Returns the final state and the last metric row. Raises
+    ``NonFiniteError`` after ``max_consecutive_non_finite`` consecutive skipped steps counted by any of
+    ``non_finite_keys``, having saved the unchanged state, and ``Preempted`` after a stop signal.
     """
     if checkpoint_every is not None and run is None:
         raise ValueError("distil_loop: checkpoints need the entered RunFolder of out (run=...)")
@@ -52,7 +55,7 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
         position = int(loop["data_position"]) if start else 0
     else:
         keep_rows(out / "metrics.jsonl", 0)
-    batches = cache_batches(data, batch_size, seed, start=position)
+    batches = stream(position) if stream else cache_batches(data, batch_size, seed, start=position)
     last: dict[str, Any] = {}
 
     def checkpoint(done: int) -> None:

@@ -288,7 +288,8 @@ def init_adversarial_state(student: DistillState, unet_cfg, adv: AdversarialConf
 
 def compile_adversarial_step(graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef, schedule: TDDSchedule,
                              config: DistillConfig, adv: AdversarialConfig, state: AdversarialState,
-                             frozen: FrozenParams, batch: DistillBatch, mesh: Mesh) -> Callable:
-    """The alternating TDD-adv loop step, each half compiled like ``distill.compile_distill_step``."""
+                             frozen: FrozenParams, batch: DistillBatch, mesh: Mesh,
+                             wrap: Callable[[Callable], Callable] = lambda step: step) -> Callable:
+    """The alternating TDD-adv loop step, each half ``wrap``ped and compiled like ``distill.compile_distill_step``."""
     steps = alternating_steps(*make_adversarial_steps(graphdef, heads_graphdef, schedule, config, adv))
-    return alternate(*(compile_distill_step(step, state, frozen, batch, mesh) for step in steps))
+    return alternate(*(compile_distill_step(wrap(step), state, frozen, batch, mesh) for step in steps))

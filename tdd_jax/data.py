@@ -330,28 +330,35 @@ def take(data: DistillBatch, rows: np.ndarray, crops: np.ndarray | None) -> Dist
     return DistillBatch(pick(data.latents), Conditioning(data.cond.context[rows], added), pick(data.latents_logvar))
 
 
-def cache_batches(data: DistillBatch, batch_size: int, seed: int = 0, start: int = 0) -> Iterator[DistillBatch]:
-    """Endless shuffled batches (a fresh permutation each epoch; the last partial batch is dropped).
+def shuffled_visits(n: int, batch_size: int, seed: int = 0, start: int = 0,
+                    crops: int | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+    """Endless ``(epoch, rows, crop indices)`` of shuffled batches over ``n`` examples.
 
-    With K crops per image each epoch also draws which crop every image shows. ``start`` skips that many
-    batches without materialising them, so a resumed run continues the stream.
+    A fresh permutation each epoch (the last partial batch is dropped); with ``crops`` K each epoch also
+    draws which of its K crops every example shows. ``start`` skips that many batches without drawing
+    them one by one, so a resumed run continues the stream.
     """
-    n, k = data.latents.shape[0], num_crops(data)
     if not 1 <= batch_size <= n:
-        raise ValueError(f"batch_size must be in [1, {n}] for a cache of {n} examples, got {batch_size}")
+        raise ValueError(f"batch_size must be in [1, {n}] for {n} examples, got {batch_size}")
     rng = np.random.default_rng(seed)
     per_epoch = n // batch_size
 
     def epoch() -> tuple[np.ndarray, np.ndarray | None]:
         order = rng.permutation(n)
-        return order, (None if k is None else rng.integers(0, k, n))
+        return order, (None if crops is None else rng.integers(0, crops, n))
 
     for _ in range(start // per_epoch):
         epoch()
-    skip = start % per_epoch
+    index, skip = start // per_epoch, start % per_epoch
     while True:
-        order, crops = epoch()
-        for index in range(skip, per_epoch):
-            rows = slice(index * batch_size, (index + 1) * batch_size)
-            yield take(data, order[rows], None if crops is None else crops[rows])
-        skip = 0
+        order, chosen = epoch()
+        for batch in range(skip, per_epoch):
+            rows = slice(batch * batch_size, (batch + 1) * batch_size)
+            yield index, order[rows], None if chosen is None else chosen[rows]
+        index, skip = index + 1, 0
+
+
+def cache_batches(data: DistillBatch, batch_size: int, seed: int = 0, start: int = 0) -> Iterator[DistillBatch]:
+    """Endless shuffled batches of a cache (``shuffled_visits``); with K crops per image, one per visit."""
+    for _, rows, crops in shuffled_visits(data.latents.shape[0], batch_size, seed, start, num_crops(data)):
+        yield take(data, rows, crops)

@@ -14,8 +14,10 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from PIL import Image
 from safetensors.numpy import load_file
 
@@ -25,9 +27,14 @@ from runtime.guards import NonFiniteError
 from runtime.metrics import read_jsonl
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
 from runtime.run_folder import RunFolderError
-from tdd_jax.models.diffusers_io import load_unet
+from tdd_jax.data import preprocess
+from tdd_jax.distill import draw_latents
+from tdd_jax.fresh_crops import EncoderFrozen, PixelBatch, crop_batches, encoding_step
+from tdd_jax.models.diffusers_io import load_pipeline, load_unet
 from tdd_jax.models.lora import named_layers
 from tdd_jax.models.lora_io import import_lora, read_lora_file
+from tdd_jax.sampler import Conditioning
+from test_tdd_data import make_image
 from test_tdd_models_io import pipeline_dir  # noqa: F401  (a tiny diffusers folder, reused as a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,3 +309,53 @@ def test_tdd_corrupt_checkpoint_then_sigterm_then_finish(first_run, pipeline_dir
     tdd.main(argv)
     assert [r["step"] for r in read_jsonl(folder / "metrics.jsonl")] == list(range(1, 9))
     assert (folder / "lora.safetensors").is_file()
+
+
+def test_fresh_crops_every_visit_and_resumable_stream():
+    """latent_cache=none: each visit of an image is a new crop by the cache path's ``preprocess``."""
+    images = [make_image(i, size=(32, 8)) for i in range(4)]  # resolution 8: left in 0..24
+    cond = Conditioning(np.arange(4, dtype=np.float32)[:, None, None], {"text_embeds": np.ones((4, 2), np.float32)})
+    stream = crop_batches(images, cond, 8, batch_size=4, seed=5, use_fix_crop_and_size=False)
+    visits = [next(stream) for _ in range(6)]  # one batch is one epoch
+    lefts = {i: set() for i in range(4)}
+    for epoch, batch in enumerate(visits):
+        for row, image in enumerate(batch.cond.context[:, 0, 0].astype(int)):
+            crop = preprocess(images[image], 8, np.random.default_rng((5, epoch, image)), use_fix_crop_and_size=False)
+            np.testing.assert_array_equal(batch.pixels[row], crop.pixels)
+            np.testing.assert_array_equal(batch.cond.added["time_ids"][row], crop.time_ids)
+            lefts[image].add(int(crop.time_ids[3]))
+    assert all(len(seen) > 1 for seen in lefts.values())  # two visits of an image show different crops
+    resumed = crop_batches(images, cond, 8, batch_size=4, seed=5, start=3, use_fix_crop_and_size=False)
+    np.testing.assert_array_equal(next(resumed).pixels, visits[3].pixels)
+
+
+def test_encoding_step_draws_from_the_posterior_of_the_crop(pipeline_dir):  # noqa: F811
+    """The step gets the frozen VAE's scaled posterior of the crop, and its latent is mean + std·ε for its key."""
+    vae = load_pipeline(str(pipeline_dir), components=("vae",)).vae
+    vae_graphdef, vae_state = nnx.split(vae)
+    pixels = np.random.default_rng(0).uniform(-1, 1, (2, 8, 8, 3)).astype(np.float32)
+    seen = jax.jit(encoding_step(lambda state, frozen, uncond, batch: (frozen, batch), vae_graphdef))(
+        None, EncoderFrozen(np.arange(3.0), vae_state), None, PixelBatch(pixels, Conditioning(np.ones((2, 1, 1)))))
+    frozen, batch = seen
+    posterior = vae.scale_posterior(vae.encode(pixels))
+    np.testing.assert_array_equal(frozen, np.arange(3.0))  # the inner step gets the UNet's frozen part
+    np.testing.assert_allclose(batch.latents, posterior.mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(batch.latents_logvar, posterior.logvar, rtol=1e-5, atol=1e-6)
+    key = jax.random.key(3)  # the step's key: distill.draw_latents draws with fold_in(key, 2)
+    np.testing.assert_allclose(draw_latents(key, batch), posterior.sample(jax.random.fold_in(key, 2)),
+                               rtol=1e-5, atol=1e-6)
+    assert not np.allclose(posterior.sample(jax.random.fold_in(key, 2)), posterior.mean, atol=1e-3)
+
+
+def test_distil_without_latent_cache(pipeline_dir, images, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    argv = ["distil", "--preset", "tiny", f"teacher={pipeline_dir}", f"data={images}", f"out={out}"]
+    with pytest.raises(ValueError, match="^latent_cache: must be one of"):
+        tdd.main(argv + ["latent_cache=None"])
+    with pytest.raises(ValueError, match="^cache: latent_cache=none"):
+        tdd.main(argv + ["latent_cache=none", f"cache={tmp_path}"])
+    with pytest.raises(ValueError, match="^crops_per_image:"):
+        tdd.main(argv + ["latent_cache=none", "crops_per_image=2"])
+    last = tdd.main(argv + ["latent_cache=none"])
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4] and np.isfinite(last["loss"])
+    assert (out / "lora.safetensors").is_file() and not (out / "cache").exists()

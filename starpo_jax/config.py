@@ -118,13 +118,17 @@ class ActorRolloutRefConfig:
 
 @dataclass(frozen=True)
 class CriticConfig:
-    """verl critic: value clipping 0.5, grad clip 1.0, lr 1e-5."""
+    """verl critic: value clipping 0.5, grad clip 1.0, lr 1e-5.
+
+    ``loss_agg_mode`` ``seq-mean-token-mean`` is RAGEN HEAD's (and V2's) critic loss: the masked token
+    mean of each micro-batch of one trajectory, averaged over the micro-batches.
+    """
 
     ppo_mini_batch_size: int | None = None
     ppo_micro_batch_size_per_gpu: int | None = None
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
-    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "seq-mean-token-mean"
     grad_clip: float = 1.0
     optim: OptimConfig = OptimConfig(lr=1e-5)
 

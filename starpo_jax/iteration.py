@@ -98,7 +98,9 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tupl
     """Normalised scores on the full batch, then the StarPO-S group filter (§8.2, §11).
 
     Returns the kept rows (group-major), their normalised scores and the filter metrics. The
-    filter ranks ``score + penalty`` before normalisation (decision 12).
+    filter ranks ``score + penalty`` before normalisation (decision 12); with
+    ``agent_proxy.use_turn_scores`` it ranks each row's summed turn rewards as placed on the tokens
+    (RAGEN HEAD ``original_rm_scores.sum(-1)``: no penalty, no normalisation).
     """
     groups = config.es_manager.train
     norm = config.agent_proxy.reward_normalization
@@ -106,7 +108,10 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tupl
     group_ids = normalization_group_ids(norm.grouping, jnp.asarray(traj.group_ids), jnp.asarray(traj.tag_ids))
     num_groups = groups.env_groups if norm.grouping != "inductive" else num_tags
     normalized = normalize_scores(traj.scores, traj.penalty, group_ids, max(num_groups, 1), norm.method)
-    raw = jnp.asarray(traj.scores) + jnp.asarray(traj.penalty)
+    if config.agent_proxy.use_turn_scores:
+        raw = jnp.sum(jnp.asarray(traj.turn_rewards), axis=1)
+    else:
+        raw = jnp.asarray(traj.scores) + jnp.asarray(traj.penalty)
     kept = filter_groups_by_reward_std(raw.reshape(groups.env_groups, groups.group_size),
                                        rollout.rollout_filter_ratio, rollout.rollout_filter_type,
                                        rollout.rollout_filter_drop_zero_std)

@@ -413,8 +413,11 @@ def _validate_rollout(config: StarPOConfig) -> None:
         host_only = [t for t in tags if not issubclass(ENV_TYPES[config.custom_envs[t].env_type], TextEnvironment)]
         _require(not host_only, f"agent_proxy.rollout_driver=fused steps JAX environments on device; {host_only} "
                                 f"are host-only (Countdown): use agent_proxy.rollout_driver=host")
-        _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True "
-                                              "(it trains on the ids the decoder saw, decision 10)")
+        _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True: "
+                                              "it cannot re-render RAGEN's cleaned chat on device (re-tokenising a "
+                                              "cleaned response needs the tokenizer's merges), so it generates from "
+                                              "and trains on the sampled ids (decision 10); use "
+                                              "agent_proxy.rollout_driver=host for RAGEN's cleaned turns")
         _require(proxy.max_context_window == -1,
                  "agent_proxy.rollout_driver=fused does not support agent_proxy.max_context_window: the cut history "
                  "is re-rendered each turn, so the trajectory is not the one sampled id sequence the fused driver "

@@ -64,10 +64,11 @@ def apply_max_length(messages: list[dict[str, str]], length_of: Callable[[list[d
     [user, assistant, user holding "Reward"] when the conversation starts so, else [user, assistant],
     else one message. A chat that still does not fit is returned as it is (the reference warns).
     """
-    if length_of(messages) <= max_length:
+    length = length_of(messages)
+    if length <= max_length:
         return messages
     system, conversation = messages[0], messages[1:]
-    while len(conversation) > 2 and length_of([system] + conversation) > max_length:
+    while length > max_length and len(conversation) > 2:
         roles = [m["role"] for m in conversation[:3]]
         if roles == ["user", "assistant", "user"] and "Reward" in conversation[2]["content"]:
             conversation = conversation[3:]
@@ -75,6 +76,7 @@ def apply_max_length(messages: list[dict[str, str]], length_of: Callable[[list[d
             conversation = conversation[2:]
         else:
             conversation = conversation[1:]
+        length = length_of([system] + conversation)
     return [system] + conversation
 
 

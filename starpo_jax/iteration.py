@@ -144,6 +144,11 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
         ref_log_probs = learner.log_probs(learner.reference, learner.actor_frozen, ids, mask)
         metrics["rollout/ref_log_prob"] = masked_mean(ref_log_probs, loss_mask)
     metrics["rollout/old_log_prob"] = masked_mean(old_log_probs, loss_mask)
+    if batch.rollout_log_probs is not None:  # trained tokens sampled in the same context: the PPO ratio's denominator
+        sampled = jnp.isfinite(batch.rollout_log_probs) & (loss_mask > 0)
+        metrics["rollout/sampled_token_fraction"] = jnp.sum(sampled) / jnp.maximum(jnp.sum(loss_mask > 0), 1)
+        metrics["rollout/sampler_log_prob_diff_max"] = jnp.max(jnp.where(
+            sampled, jnp.abs(old_log_probs - jnp.nan_to_num(jnp.asarray(batch.rollout_log_probs))), 0.0))
     values = None
     if critic is not None:
         values = learner.values(critic.params, learner.critic_frozen, ids, mask) * loss_mask

@@ -97,12 +97,17 @@ def test_turn_scores_replace_the_normalised_final_reward():
     traj = trajectory()
     rng = np.random.default_rng(1)
     turn_rewards = (rng.random(traj.loss_mask.shape) < 0.1) * rng.normal(size=traj.loss_mask.shape)
-    traj = traj._replace(turn_rewards=turn_rewards.astype(np.float32))
+    sampler_log_probs = np.where(rng.random(traj.loss_mask.shape) < 0.5, -1.0, np.nan).astype(np.float32)
+    traj = traj._replace(turn_rewards=turn_rewards.astype(np.float32), rollout_log_probs=sampler_log_probs)
     single = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     keep_all = ("actor_rollout_ref.rollout.rollout_filter_ratio=1",
                 "agent_proxy.reward_normalization.method=mean_std")
     _, metrics, _ = run("starpo-s-ppo", single, 4, keep_all + ("agent_proxy.use_turn_scores=True",), traj)
     np.testing.assert_allclose(metrics["critic/score/mean"], turn_rewards.sum(axis=1).mean(), rtol=1e-5)
+    trained = traj.loss_mask > 0
+    np.testing.assert_allclose(metrics["rollout/sampled_token_fraction"],
+                               (np.isfinite(sampler_log_probs) & trained).sum() / trained.sum(), rtol=1e-6)
+    assert metrics["rollout/sampler_log_prob_diff_max"] > 0  # a random model's log-probs are not all -1
     _, normalised, _ = run("starpo-s-ppo", single, 4, keep_all, traj)
     np.testing.assert_allclose(normalised["critic/score/mean"], 0.0, atol=1e-5)  # mean_std centres each group
 

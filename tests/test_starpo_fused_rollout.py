@@ -114,7 +114,10 @@ def play_fused(s, params, settings=SETTINGS):
 
 def assert_same(traj, metrics, host_traj, slots):
     for name, a, b in zip(host_traj._fields, traj, host_traj):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+        if name == "rollout_log_probs":  # two compiled decoders: the same tokens, float32 rounding apart
+            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
     assert metrics == [slot_metrics(slot) for slot in slots]
 
 

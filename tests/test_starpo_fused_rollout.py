@@ -273,6 +273,11 @@ def play_messy(setup, messy, max_model_len, **settings):
     return traj, slots, spy.contexts
 
 
+@pytest.fixture(scope="module")
+def messy_played(setup, messy):
+    return play_messy(setup, messy, 768)
+
+
 def ragen_messages(slot, turns, for_update):
     """RAGEN's chat after ``turns`` answered turns, each response cleaned by hand to CLEANED."""
     history = [Turn(h.state, h.actions_left, CLEANED, h.reward) for h in slot.history[:turns]]
@@ -280,9 +285,9 @@ def ragen_messages(slot, turns, for_update):
     return render_chat(slot.prefix, history, max_tokens=slot.env.max_tokens, for_update=for_update)
 
 
-def test_turn_prompts_are_ragens_rerendered_chat_of_messy_responses(setup, messy):
+def test_turn_prompts_are_ragens_rerendered_chat_of_messy_responses(setup, messy_played):
     tokenizer = setup["tokenizer"]
-    traj, slots, contexts = play_messy(setup, messy, 768)
+    traj, slots, contexts = messy_played
     assert max(len(s.history) for s in slots) == 4 and min(len(s.history) for s in slots) == 2
     for row, slot in enumerate(slots):
         turns = len(slot.history) - 1
@@ -293,9 +298,9 @@ def test_turn_prompts_are_ragens_rerendered_chat_of_messy_responses(setup, messy
         assert text == render_text(tokenizer, ragen_messages(slot, turns, True), for_update=True)
 
 
-def test_long_chats_drop_the_oldest_turns_in_prompts_and_training(setup, messy):
+def test_long_chats_drop_the_oldest_turns_in_prompts_and_training(setup, messy, messy_played):
     tokenizer = setup["tokenizer"]
-    _, full_slots, full_contexts = play_messy(setup, messy, 768)
+    _, full_slots, full_contexts = messy_played
     row = next(i for i, s in enumerate(full_slots) if len(s.history) == 4)
     limit = len(full_contexts[row][2]) - 1  # the third prompt no longer fits
     traj, slots, contexts = play_messy(setup, messy, limit, use_turn_scores=True)

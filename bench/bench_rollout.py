@@ -3,7 +3,9 @@
 Same tiny random Qwen-style model, same locally trained chat tokenizer, same seeds, greedy
 decoding (so both drivers play identical trajectories, which is checked): trajectories/s
 and generated tokens/s of each driver per environment, and the ratio fused / host (> 1
-means the fused driver is faster). Then one StarPO-S iteration (``starpo_jax.iteration.update``)
+means the fused driver is faster). Both train on the sampled ids (the fused driver's mode); the
+host driver is also timed in its default mode, RAGEN's re-rendered cleaned turns ("host RAGEN"),
+which reuses the KV cache for the common token prefix of consecutive prompts. Then one StarPO-S iteration (``starpo_jax.iteration.update``)
 on the fused rollout: rollout / old log-probs / update seconds. Compile time is excluded
 (one warm-up call per driver). Run: ``python bench/bench_rollout.py`` (``--help`` for sizes).
 """
@@ -11,6 +13,7 @@ on the fused rollout: rollout / old log-probs / update seconds. Compile time is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 
@@ -89,7 +92,7 @@ def main():
         print(f"rollout: batch {args.batch}, max_turn {args.max_turn}, response_length {args.response_length}, "
               f"model hidden {args.hidden} x {args.layers} layers, vocab {len(tokenizer)}, greedy, CPU")
         print(f"{'env':>14} {'host traj/s':>12} {'fused traj/s':>13} {'host tok/s':>11} {'fused tok/s':>12} "
-              f"{'fused/host':>11} {'fused compile s':>16}")
+              f"{'fused/host':>11} {'fused compile s':>16} {'host RAGEN traj/s':>18} {'fused/host RAGEN':>17}")
         fused_programs = {}
         for tag in args.tags:
             tables = build_env_tables(envs.make(tag), tokenizer, settings)
@@ -97,10 +100,13 @@ def main():
                                          settings, mesh)
             fused_programs[tag] = program
 
-            def run_host():
+            def run_host(settings=settings):
                 slots = [reset_slot(GymnaxHostEnv(envs.make(tag)), s, i // 4, 0) for i, s in enumerate(seeds)]
                 cache = init_cache(model_config, args.batch, args.max_model_len + args.response_length, mesh=mesh)
                 return host_rollout(host_sampler, params, tokenizer, slots, cache, jax.random.key(0), settings)
+
+            def run_host_ragen():
+                return run_host(dataclasses.replace(settings, train_on_sampled_ids=False))
 
             def run_fused():
                 return fused_rollout(program, params, tokenizer, seeds, [i // 4 for i in range(args.batch)],
@@ -112,10 +118,14 @@ def main():
             run_host()
             host_s, host_traj = timed(run_host, args.repeats)
             fused_s, fused_traj = timed(run_fused, args.repeats)
-            same = all(np.array_equal(a, b) for a, b in zip(host_traj, fused_traj))
+            run_host_ragen()
+            ragen_s, _ = timed(run_host_ragen, args.repeats)
+            same = all(np.array_equal(a, b) for name, a, b in zip(host_traj._fields, host_traj, fused_traj)
+                       if name != "rollout_log_probs")  # NaN-filled; float32 rounding apart between drivers
             tokens = response_tokens(fused_traj, turn_start)
             print(f"{tag:>14} {args.batch / host_s:>12.1f} {args.batch / fused_s:>13.1f} {tokens / host_s:>11.1f} "
-                  f"{tokens / fused_s:>12.1f} {host_s / fused_s:>11.2f} {compile_s:>16.1f}"
+                  f"{tokens / fused_s:>12.1f} {host_s / fused_s:>11.2f} {compile_s:>16.1f} "
+                  f"{args.batch / ragen_s:>18.1f} {ragen_s / fused_s:>17.2f}"
                   + ("" if same else "  (trajectories differ!)"))
 
         tag = args.tags[-1]

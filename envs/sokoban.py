@@ -9,8 +9,10 @@ from gymnax.environments import spaces
 
 from envs.base import TextEnvironment, check_positive_int, render_grid, step_info
 from envs.sokoban_generation import BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, TARGET, GeneratorConfig, generate_level
+from envs.sokoban_reverse_play import reverse_play_level
 
 PLAYER_ON_TARGET = 6  # render-only code
+GENERATORS = ("reverse_play", "pull_walk")
 
 SOKOBAN_INSTRUCTION = (
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
@@ -51,7 +53,7 @@ class SokobanParams:
 
 
 class Sokoban(TextEnvironment):
-    """Sokoban with on-device level generation.
+    """Sokoban with RAGEN's level generation (host callback) or a faster on-device one.
 
     Actions 0-3 are Up, Down, Left, Right (RAGEN ids 1-4, gym-sokoban's push actions 1-4): push a
     box if one is adjacent and the cell behind it is free, otherwise move if the cell is free.
@@ -61,8 +63,11 @@ class Sokoban(TextEnvironment):
         num_boxes: boxes (and targets) per level.
         search_depth: RAGEN's reverse-play depth; pull-walks are ``search_depth - 2`` moves long.
         grid_lookup: symbol of each cell code 0-6 (RAGEN's ``grid_lookup``).
-        walk_budget: pull-walk moves per generation try (split into walks of the length above).
-        tries: topologies drawn at most per level before the fixed fallback room.
+        generator: ``reverse_play``: RAGEN's generator exactly (``envs.sokoban_reverse_play``, on the
+          host through ``jax.pure_callback``); ``pull_walk``: random pull-walks on device
+          (``envs.sokoban_generation``), faster, easier levels (bench/README.md).
+        walk_budget: ``pull_walk`` only: pull-walk moves per generation try (default 2048).
+        tries: ``pull_walk`` only: topologies drawn at most per level before the fixed fallback room (16).
         legend_from_config: list ``grid_lookup``'s symbols in the prompt instead of the defaults.
         max_steps: steps after which an unsolved episode ends (RAGEN's ``max_steps``).
     """
@@ -80,8 +85,9 @@ class Sokoban(TextEnvironment):
         num_boxes: int = 1,
         search_depth: int = 300,
         grid_lookup: Mapping[int, str] | None = None,
-        walk_budget: int = 2048,
-        tries: int = 16,
+        generator: str = "reverse_play",
+        walk_budget: int | None = None,
+        tries: int | None = None,
         legend_from_config: bool = False,
         max_steps: int = 100,
     ):
@@ -97,12 +103,17 @@ class Sokoban(TextEnvironment):
         self.grid_lookup = dict(grid_lookup or DEFAULT_GRID_LOOKUP)
         if sorted(self.grid_lookup) != list(range(7)):
             raise ValueError(f"grid_lookup must map the cell codes 0-6, got keys {sorted(self.grid_lookup)}")
+        if generator not in GENERATORS:
+            raise ValueError(f"generator must be one of {GENERATORS}, got {generator!r}")
+        if generator == "reverse_play" and (walk_budget is not None or tries is not None):
+            raise ValueError("walk_budget and tries configure generator='pull_walk', not 'reverse_play'")
+        self.generator_kind = generator
         self.generator = GeneratorConfig(
             dim_room=(height, width),
             num_boxes=num_boxes,
             search_depth=search_depth,
-            walk_budget=check_positive_int("walk_budget", walk_budget),
-            tries=check_positive_int("tries", tries),
+            walk_budget=check_positive_int("walk_budget", 2048 if walk_budget is None else walk_budget),
+            tries=check_positive_int("tries", 16 if tries is None else tries),
         )
         # RAGEN lists the default legend whatever ``grid_lookup`` is (starpo.md §4);
         # ``legend_from_config=True`` lists this environment's own symbols instead.
@@ -121,7 +132,10 @@ class Sokoban(TextEnvironment):
         return self.generator.num_boxes
 
     def reset_env(self, key: jax.Array, params: SokobanParams):
-        level = generate_level(key, self.generator)
+        if self.generator_kind == "reverse_play":
+            level = reverse_play_level(key, self.dim_room, self.num_boxes, self.generator.search_depth)
+        else:
+            level = generate_level(key, self.generator)
         state = SokobanState(level.room_fixed, level.room_state, level.player, jnp.int32(0), jnp.int32(0))
         return self.get_obs(state), state
 

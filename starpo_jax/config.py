@@ -119,13 +119,17 @@ class ActorRolloutRefConfig:
 
 @dataclass(frozen=True)
 class CriticConfig:
-    """verl critic: value clipping 0.5, grad clip 1.0, lr 1e-5."""
+    """verl critic: value clipping 0.5, grad clip 1.0, lr 1e-5.
+
+    ``loss_agg_mode`` ``seq-mean-token-mean`` is RAGEN HEAD's (and V2's) critic loss: the masked token
+    mean of each micro-batch of one trajectory, averaged over the micro-batches.
+    """
 
     ppo_mini_batch_size: int | None = None
     ppo_micro_batch_size_per_gpu: int | None = None
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
-    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "seq-mean-token-mean"
     grad_clip: float = 1.0
     optim: OptimConfig = OptimConfig(lr=1e-5)
 
@@ -411,8 +415,11 @@ def _validate_rollout(config: StarPOConfig) -> None:
         host_only = [t for t in tags if not issubclass(ENV_TYPES[config.custom_envs[t].env_type], TextEnvironment)]
         _require(not host_only, f"agent_proxy.rollout_driver=fused steps JAX environments on device; {host_only} "
                                 f"are host-only (Countdown): use agent_proxy.rollout_driver=host")
-        _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True "
-                                              "(it trains on the ids the decoder saw, starpo.md §22.10)")
+        _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True: "
+                                              "it cannot re-render RAGEN's cleaned chat on device (re-tokenising a "
+                                              "cleaned response needs the tokenizer's merges), so it generates from "
+                                              "and trains on the sampled ids (starpo.md §22.10); use "
+                                              "agent_proxy.rollout_driver=host for RAGEN's cleaned turns")
         _require(proxy.max_context_window == -1,
                  "agent_proxy.rollout_driver=fused does not support agent_proxy.max_context_window: the cut history "
                  "is re-rendered each turn, so the trajectory is not the one sampled id sequence the fused driver "

@@ -261,6 +261,7 @@ class FusedEpisode(NamedTuple):
 
     ids: jax.Array  # [B, S] fed and sampled ids, left aligned
     length: jax.Array
+    log_probs: jax.Array  # [B, S] the sampler's log-prob of each sampled id, NaN for fed ids
     step_rewards: jax.Array  # [B, max_actions_per_traj] float32, in execution order
     turn_scores: jax.Array  # [B, max_turn] float32, each played turn's summed reward (0 after the last)
     num_actions: jax.Array
@@ -360,8 +361,9 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
     only decides whether ``fused_rollout`` places them, so it does not change the program.
     """
     if not settings.train_on_sampled_ids:
-        raise ValueError("the fused rollout trains on the sampled ids: set train_on_sampled_ids=True "
-                         "(or agent_proxy.rollout_driver=host)")
+        raise ValueError("the fused rollout cannot re-render RAGEN's cleaned chat on device (re-tokenising a cleaned "
+                         "response needs the tokenizer's merges): set train_on_sampled_ids=True to generate from and "
+                         "train on the sampled ids, or agent_proxy.rollout_driver=host for RAGEN's cleaned turns")
     if len(tables) != len(block_sizes) or not tables:
         raise ValueError(f"one block size per environment table, got {len(block_sizes)} for {len(tables)}")
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -401,6 +403,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         tokens, mask = _right_align(seg, seg_length, pad)
         out = sample(params, tokens, mask, s.cache, jax.random.fold_in(key, s.turn), active)
         ids, length = _append(s.ids, s.length, seg, seg_length)
+        log_probs, _ = _append(e.log_probs, length, out.log_probs, out.lengths)
         ids, length = _append(ids, length, out.tokens, out.lengths)
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.lengths - 1, 0)[:, None], axis=1)[:, 0]
         ended = jnp.where(active, last == eos, s.ended)
@@ -423,7 +426,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                 num_effective=e.num_effective[lo:hi] + (on & stepped & effective),
                 terminated=e.terminated[lo:hi] | done_now | out_of_budget,
                 truncated=jnp.where(done_now, ~success, e.truncated[lo:hi] | out_of_budget)))
-        episode = e._replace(overflow=overflow, **{k: jnp.concatenate([c[k] for c in columns])
+        episode = e._replace(overflow=overflow, log_probs=log_probs, **{k: jnp.concatenate([c[k] for c in columns])
                                                    for k in columns[0]})
         return _Loop(s.turn + 1, out.cache, ids, length, ended, tuple(blocks), episode)
 
@@ -439,6 +442,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
             blocks.append(_Block(keys, state, jnp.zeros(hi - lo, jnp.int32)))
         zeros, false = jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
         episode = FusedEpisode(jnp.zeros((batch, cache.max_length), jnp.int32), zeros,
+                               jnp.full((batch, cache.max_length), jnp.nan, jnp.float32),
                                jnp.zeros((batch, max_budget), jnp.float32),
                                jnp.zeros((batch, settings.max_turn), jnp.float32), zeros, zeros, zeros, zeros, zeros,
                                false, false, jnp.bool_(False))
@@ -487,6 +491,7 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
     if episode.overflow:
         raise ValueError(f"a prompt exceeds max_model_len={settings.max_model_len} tokens")
     sequences = [row[:n] for row, n in zip(episode.ids, episode.length)]
+    sampled = [row[:n] for row, n in zip(episode.log_probs, episode.length)]
     scores, penalties, metrics = [], [], []
     for i, tag in enumerate(tag_ids):
         t = tables[tag]
@@ -504,4 +509,5 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
     turn_scores = ([row[:n] for row, n in zip(episode.turn_scores, episode.num_turns)]
                    if settings.use_turn_scores else None)
     return FusedOutput(pack_sequences(tokenizer, sequences, settings, scores=scores, penalty=penalties,
-                                      group_ids=group_ids, tag_ids=tag_ids, turn_scores=turn_scores), metrics)
+                                      group_ids=group_ids, tag_ids=tag_ids, turn_scores=turn_scores,
+                                      rollout_log_probs=sampled), metrics)

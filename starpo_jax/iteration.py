@@ -98,7 +98,9 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tupl
     """Normalised scores on the full batch, then the StarPO-S group filter (starpo.md §8.2, §11).
 
     Returns the kept rows (group-major), their normalised scores and the filter metrics. The
-    filter ranks ``score + penalty`` before normalisation (starpo.md §22.12).
+    filter ranks ``score + penalty`` before normalisation (starpo.md §22.12); with
+    ``agent_proxy.use_turn_scores`` it ranks each row's summed turn rewards as placed on the tokens
+    (RAGEN HEAD ``original_rm_scores.sum(-1)``: no penalty, no normalisation).
     """
     groups = config.es_manager.train
     norm = config.agent_proxy.reward_normalization
@@ -106,7 +108,10 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tupl
     group_ids = normalization_group_ids(norm.grouping, jnp.asarray(traj.group_ids), jnp.asarray(traj.tag_ids))
     num_groups = groups.env_groups if norm.grouping != "inductive" else num_tags
     normalized = normalize_scores(traj.scores, traj.penalty, group_ids, max(num_groups, 1), norm.method)
-    raw = jnp.asarray(traj.scores) + jnp.asarray(traj.penalty)
+    if config.agent_proxy.use_turn_scores:
+        raw = jnp.sum(jnp.asarray(traj.turn_rewards), axis=1)
+    else:
+        raw = jnp.asarray(traj.scores) + jnp.asarray(traj.penalty)
     kept = filter_groups_by_reward_std(raw.reshape(groups.env_groups, groups.group_size),
                                        rollout.rollout_filter_ratio, rollout.rollout_filter_type,
                                        rollout.rollout_filter_drop_zero_std)
@@ -139,6 +144,11 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
         ref_log_probs = learner.log_probs(learner.reference, learner.actor_frozen, ids, mask)
         metrics["rollout/ref_log_prob"] = masked_mean(ref_log_probs, loss_mask)
     metrics["rollout/old_log_prob"] = masked_mean(old_log_probs, loss_mask)
+    if batch.rollout_log_probs is not None:  # trained tokens sampled in the same context: the PPO ratio's denominator
+        sampled = jnp.isfinite(batch.rollout_log_probs) & (loss_mask > 0)
+        metrics["rollout/sampled_token_fraction"] = jnp.sum(sampled) / jnp.maximum(jnp.sum(loss_mask > 0), 1)
+        metrics["rollout/sampler_log_prob_diff_max"] = jnp.max(jnp.where(
+            sampled, jnp.abs(old_log_probs - jnp.nan_to_num(jnp.asarray(batch.rollout_log_probs))), 0.0))
     values = None
     if critic is not None:
         values = learner.values(critic.params, learner.critic_frozen, ids, mask) * loss_mask

@@ -1,18 +1,19 @@
 """Host-driven multi-turn rollout (starpo.md §3): compiled decoding per turn, Python parse and env step.
 
-Each turn decodes every active row with the compiled sampler, continuing one KV
-cache across turns: turn 1 feeds the whole prompt, later turns only the text
-that follows the previous response (its turn end, the Reward message and the
-next state, up to the forced ``<think>``). Responses are parsed with RAGEN's
-rules and executed by ``starpo_jax.env_manager``. The training sequence of each
-trajectory is either RAGEN's re-rendered chat (default, starpo.md §5) or exactly the
-fed and sampled token ids (``train_on_sampled_ids``, starpo.md §22.10).
+By default every turn's prompt is RAGEN's re-rendered chat of the cleaned history
+(``ContextManager.get_lm_inputs``: normalised responses, oldest turns dropped to fit
+``max_model_len``), and the training sequence is the re-rendered training chat, so the
+policy generates from and trains on the same text. The KV cache is reused for the longest
+common token prefix of the cached sequence and the new prompt (prefix caching): only the
+rest is prefilled. With ``train_on_sampled_ids`` (starpo.md §22.10) the cache instead continues
+the raw sampled ids and the training sequence is exactly the fed and sampled ids.
+Responses are parsed with RAGEN's rules and executed by ``starpo_jax.env_manager``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,8 @@ from envs.text import FORMAT_PENALTY, MAX_ACTIONS_PER_TURN, parse_response
 from starpo_jax.env_manager import Slot, apply_context_window, run_turn
 from starpo_jax.models.kv_cache import KVCache
 from starpo_jax.scores import place_turn_scores
-from starpo_jax.trajectory import (Trajectory, chat_tokens, left_pad, loss_mask, position_ids, render_chat,
-                                   render_text, turn_end_suffix_length, turn_indicators)
+from starpo_jax.trajectory import (Trajectory, apply_max_length, chat_tokens, left_pad, loss_mask, position_ids,
+                                   render_chat, render_text, turn_end_suffix_length, turn_indicators)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +60,43 @@ def training_tail(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
     return text[text.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
 
 
-def bucketed(rows: Sequence[Sequence[int]], pad_id: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pads ``rows`` to the next multiple of ``bucket`` (fewer distinct compiled shapes)."""
-    width = -(-max(1, max(len(r) for r in rows)) // bucket) * bucket
-    return left_pad(rows, pad_id, width)
+def chat_ids(tokenizer: Any, slot: Slot, settings: RolloutSettings, *, for_update: bool) -> tuple[list[int], int]:
+    """RAGEN's chat of ``slot`` as token ids, oldest turns dropped to fit ``max_model_len`` (spec ragen2 §6.6).
+
+    ``for_update=False``: the generation prompt of the next turn (its length counted with the forced
+    tag, so prompt and response always fit the cache); ``True``: the training sequence. Returns the
+    ids and the number of assistant messages kept.
+    """
+    encode = lambda messages: tokenizer.encode(render_text(tokenizer, messages, for_update=for_update,
+                                                           enable_think=settings.enable_think),
+                                               add_special_tokens=False)
+    messages = apply_max_length(render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
+                                            enable_think=settings.enable_think, for_update=for_update),
+                                lambda m: len(encode(m)), settings.max_model_len)
+    return encode(messages), sum(m["role"] == "assistant" for m in messages)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def bucketed(rows: Sequence[Sequence[int]], pad_id: int, bucket: int,
+             limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads ``rows`` to the next multiple of ``bucket`` (fewer distinct compiled shapes), at most ``limit``."""
+    longest = max(1, max(len(r) for r in rows))
+    width = -(-longest // bucket) * bucket
+    return left_pad(rows, pad_id, width if limit is None else max(longest, min(width, limit)))
+
+
+class _Record(NamedTuple):
+    """One decode of one row: the ids the cache held, the sampled ids and their log-probs."""
+
+    context: list[int]
+    sampled: list[int]
+    log_probs: np.ndarray
 
 
 def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot], cache: KVCache, key: jax.Array,
@@ -74,87 +108,120 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
       params: the policy's parameters (``nnx.split`` state).
       tokenizer: the policy's tokenizer (chat template, EOS = turn-end token, pad token).
       slots: fresh slots (``env_manager.reset_slot``); they are played in place.
-      cache: an empty ``KVCache`` with ``len(slots)`` rows and ``max_model_len`` slots.
+      cache: an empty ``KVCache`` with ``len(slots)`` rows and ``max_model_len + max_new_tokens`` slots.
       key: PRNG key; turn t uses ``fold_in(key, t)``.
+
+    Raises:
+      ValueError: when a prompt outgrows ``max_model_len``: with ``train_on_sampled_ids`` (one id
+        sequence cannot drop turns), else only when a single turn is longer than the limit.
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     forced = "<think>" if settings.enable_think else "<answer>"
-    window = settings.max_context_window
-    fed: list[list[int]] = [[] for _ in slots]
+    raw = settings.train_on_sampled_ids
+    if raw and settings.max_context_window > 0:
+        raise ValueError("max_context_window re-renders the cut history each turn: set train_on_sampled_ids=False")
+    cached: list[list[int]] = [[] for _ in slots]  # the ids each cache row holds
+    records: list[list[_Record]] = [[] for _ in slots]
     ended = [True] * len(slots)
     for turn in range(settings.max_turn):
         active = np.array([not slot.done for slot in slots])
         if not active.any():
             break
-        for slot in slots:
-            apply_context_window(slot, window)
-        restart = turn == 0 or window > 0  # a cut history changes the prefix: prefill the window afresh
-        if restart:
-            cache = cache._replace(lengths=jnp.zeros_like(cache.lengths))
-            fed = [[] for _ in slots]
-        rows = []
+        prompts, reuse = [], []
         for i, slot in enumerate(slots):
+            apply_context_window(slot, settings.max_context_window)
             if not active[i]:
-                rows.append([])
-            elif restart:
-                rows.append(tokenizer.encode(render_text(
-                    tokenizer, render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
-                                           enable_think=settings.enable_think),
-                    for_update=False, enable_think=settings.enable_think), add_special_tokens=False))
+                prompts.append(cached[i])
+            elif raw:
+                prompts.append(cached[i] + ([] if ended[i] or turn == 0 else [eos]) + tokenizer.encode(
+                    turn_continuation(tokenizer, slot, settings) if turn else render_text(tokenizer, render_chat(
+                        slot.prefix, slot.history, max_tokens=slot.env.max_tokens, enable_think=settings.enable_think),
+                        for_update=False, enable_think=settings.enable_think), add_special_tokens=False))
             else:
-                rows.append(([] if ended[i] else [eos])
-                            + tokenizer.encode(turn_continuation(tokenizer, slot, settings), add_special_tokens=False))
-        if max(len(f) + len(r) for f, r in zip(fed, rows)) > settings.max_model_len:
-            raise ValueError(f"a prompt of turn {turn + 1} exceeds max_model_len={settings.max_model_len} tokens")
-        tokens, mask = bucketed(rows, pad, settings.bucket)
+                prompts.append(chat_ids(tokenizer, slot, settings, for_update=False)[0])
+            reuse.append(min(common_prefix(cached[i], prompts[i]), len(prompts[i]) - active[i]))
+        longest = max(len(p) for p in prompts)
+        if longest > settings.max_model_len:
+            raise ValueError(
+                f"a prompt of turn {turn + 1} has {longest} tokens, over max_model_len={settings.max_model_len}: "
+                + ("train_on_sampled_ids keeps one sampled id sequence, which cannot drop its oldest turns; raise "
+                   "max_model_len or set train_on_sampled_ids=False" if raw else
+                   "a single turn is longer than the limit even with every older turn dropped"))
+        tokens, mask = bucketed([p[k:] for p, k in zip(prompts, reuse)], pad, settings.bucket)
+        cache = cache._replace(lengths=jax.device_put(np.asarray(reuse, np.int32), cache.lengths.sharding))
         out = sample(params, tokens, mask, cache, jax.random.fold_in(key, turn), active)
         cache = out.cache
-        generated, lengths = jax.device_get((out.tokens, out.lengths))
+        generated, log_probs, lengths = jax.device_get((out.tokens, out.log_probs, out.lengths))
         for i in np.flatnonzero(active):
             ids = [int(t) for t in generated[i, :lengths[i]]]
-            fed[i] += rows[i] + ids
+            records[i].append(_Record(prompts[i], ids, log_probs[i, :lengths[i]]))
+            cached[i] = prompts[i] + ids
             ended[i] = bool(ids) and ids[-1] == eos
             parsed = parse_response(forced + tokenizer.decode(ids, skip_special_tokens=True),
                                     settings.enable_think, settings.max_actions_per_turn)
             run_turn(slots[i], parsed.llm_response, parsed.actions, settings.format_penalty)
     for slot in slots:
-        apply_context_window(slot, window)
-    if settings.train_on_sampled_ids:
-        sequences = [f + ([] if e else [eos]) + tokenizer.encode(training_tail(tokenizer, s, settings),
+        apply_context_window(slot, settings.max_context_window)
+    sequences = None
+    if raw:
+        sequences = [c + ([] if e else [eos]) + tokenizer.encode(training_tail(tokenizer, s, settings),
                                                                  add_special_tokens=False)
-                     for f, e, s in zip(fed, ended, slots)]
-        return pack_trajectory(tokenizer, slots, settings, sequences)
-    return pack_trajectory(tokenizer, slots, settings)
+                     for c, e, s in zip(cached, ended, slots)]
+    return pack_trajectory(tokenizer, slots, settings, sequences, records)
+
+
+def sampled_log_probs(sequence: Sequence[int], records: Sequence[_Record]) -> np.ndarray:
+    """Per token of ``sequence``: its sampler log-prob where it was sampled in this very context, else NaN.
+
+    A record counts when its context is a prefix of ``sequence``; its sampled ids count as far as
+    ``sequence`` repeats them (the cleaned response can differ from what was sampled).
+    """
+    out = np.full(len(sequence), np.nan, np.float32)
+    for context, sampled, log_probs in records:
+        n = len(context)
+        if common_prefix(sequence, context) == n:
+            k = common_prefix(sequence[n:], sampled)
+            out[n:n + k] = log_probs[:k]
+    return out
 
 
 def pack_trajectory(tokenizer: Any, slots: list[Slot], settings: RolloutSettings = RolloutSettings(),
-                    sequences: Sequence[Sequence[int]] | None = None) -> Trajectory:
+                    sequences: Sequence[Sequence[int]] | None = None,
+                    records: Sequence[Sequence[_Record]] | None = None) -> Trajectory:
     """Played slots as one left-padded training sequence each, with loss mask, scores and groups.
 
-    ``sequences`` defaults to RAGEN's re-rendered training chat of every slot (starpo.md §5).
+    ``sequences`` defaults to RAGEN's re-rendered training chat of every slot (starpo.md §5), oldest turns
+    dropped to fit ``max_model_len``; with ``use_turn_scores`` only the kept turns' scores are placed.
+    ``records`` (per slot, from ``host_rollout``) give the trajectory's ``rollout_log_probs``.
     """
+    turn_scores = [s.turn_scores for s in slots]
     if sequences is None:
-        sequences = [tokenizer.encode(render_text(tokenizer, render_chat(
-            s.prefix, s.history, max_tokens=s.env.max_tokens, enable_think=settings.enable_think, for_update=True),
-            for_update=True), add_special_tokens=False) for s in slots]
+        packed = [chat_ids(tokenizer, s, settings, for_update=True) for s in slots]
+        sequences = [ids for ids, _ in packed]
+        turn_scores = [scores[len(scores) - kept:] if kept else [] for scores, (_, kept) in zip(turn_scores, packed)]
+    rollout_log_probs = None if records is None else [sampled_log_probs(q, r) for q, r in zip(sequences, records)]
     return pack_sequences(tokenizer, sequences, settings, scores=[s.score for s in slots],
                           penalty=[s.penalty for s in slots], group_ids=[s.group_id for s in slots],
                           tag_ids=[s.tag_id for s in slots],
-                          turn_scores=[s.turn_scores for s in slots] if settings.use_turn_scores else None)
+                          turn_scores=turn_scores if settings.use_turn_scores else None,
+                          rollout_log_probs=rollout_log_probs)
 
 
 def pack_sequences(tokenizer: Any, sequences: Sequence[Sequence[int]], settings: RolloutSettings, *,
                    scores: Sequence[float], penalty: Sequence[float], group_ids: Sequence[int],
-                   tag_ids: Sequence[int], turn_scores: Sequence[Sequence[float]] | None = None) -> Trajectory:
+                   tag_ids: Sequence[int], turn_scores: Sequence[Sequence[float]] | None = None,
+                   rollout_log_probs: Sequence[Sequence[float]] | None = None) -> Trajectory:
     """Token sequences as a left-padded, bucketed ``Trajectory`` with its loss mask (both drivers).
 
     With ``turn_scores`` (each row's per-turn rewards) it also holds ``turn_rewards``, those
-    rewards on each assistant turn's end (``scores.place_turn_scores``).
+    rewards on each assistant turn's end (``scores.place_turn_scores``). ``rollout_log_probs``
+    (per token of each sequence, NaN where not sampled) become ``[B, L − 1]`` by next-token position.
     """
-    ids, attention = bucketed(sequences, tokenizer.pad_token_id, settings.bucket)
-    if ids.shape[1] > settings.max_model_len:
-        raise ValueError(f"a trajectory of {max(map(len, sequences))} tokens exceeds "
-                         f"max_model_len={settings.max_model_len}")
+    longest = max(map(len, sequences))
+    if longest > settings.max_model_len:
+        raise ValueError(f"a trajectory of {longest} tokens exceeds max_model_len={settings.max_model_len} "
+                         f"(a single turn longer than the limit)")
+    ids, attention = bucketed(sequences, tokenizer.pad_token_id, settings.bucket, settings.max_model_len)
     chat = chat_tokens(tokenizer)
     mask = loss_mask(ids, attention, chat, enable_response_mask=settings.enable_response_mask,
                      alignment=settings.mask_alignment)
@@ -165,7 +232,14 @@ def pack_sequences(tokenizer: Any, sequences: Sequence[Sequence[int]], settings:
             row[:len(scores_of_row)] = scores_of_row
         turn_rewards = np.asarray(place_turn_scores(ids, turn_indicators(ids, chat.turn_start_id), padded,
                                                     chat.turn_end_id, turn_end_suffix_length(tokenizer)))
+    sampled = None
+    if rollout_log_probs is not None:
+        sampled = np.full(ids.shape, np.nan, np.float32)
+        for row, values in zip(sampled, rollout_log_probs):
+            row[len(row) - len(values):] = values
+        sampled = sampled[:, 1:]
     return Trajectory(
         input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), loss_mask=np.asarray(mask),
         scores=np.asarray(scores, np.float32), penalty=np.asarray(penalty, np.float32),
-        group_ids=np.asarray(group_ids, np.int32), tag_ids=np.asarray(tag_ids, np.int32), turn_rewards=turn_rewards)
+        group_ids=np.asarray(group_ids, np.int32), tag_ids=np.asarray(tag_ids, np.int32), turn_rewards=turn_rewards,
+        rollout_log_probs=sampled)

@@ -10,7 +10,7 @@ token ids alone, so it runs on device for both rollout drivers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,30 @@ def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, 
         if turn.reward is not None and not (for_update and index == len(entries) - 1):
             messages.append({"role": "user", "content": turn.reward})
     return messages
+
+
+def apply_max_length(messages: list[dict[str, str]], length_of: Callable[[list[dict[str, str]]], int],
+                     max_length: int) -> list[dict[str, str]]:
+    """Drops the oldest turns until ``length_of(messages) <= max_length`` (RAGEN V2 ``_apply_max_length``).
+
+    The system message is kept. While too long and more than 2 other messages remain, it removes
+    [user, assistant, user holding "Reward"] when the conversation starts so, else [user, assistant],
+    else one message. A chat that still does not fit is returned as it is (the reference warns).
+    """
+    length = length_of(messages)
+    if length <= max_length:
+        return messages
+    system, conversation = messages[0], messages[1:]
+    while length > max_length and len(conversation) > 2:
+        roles = [m["role"] for m in conversation[:3]]
+        if roles == ["user", "assistant", "user"] and "Reward" in conversation[2]["content"]:
+            conversation = conversation[3:]
+        elif roles[:2] == ["user", "assistant"]:
+            conversation = conversation[2:]
+        else:
+            conversation = conversation[1:]
+        length = length_of([system] + conversation)
+    return [system] + conversation
 
 
 def render_text(tokenizer: Any, messages: Sequence[dict[str, str]], *, for_update: bool,
@@ -151,7 +175,9 @@ class Trajectory(NamedTuple):
     ``input_ids``, ``attention_mask``, ``position_ids``: ``[B, L]``; ``loss_mask``: ``[B, L − 1]``;
     ``scores``: ``[B]`` summed rewards; ``penalty``: ``[B]`` accumulated format penalty;
     ``group_ids``: ``[B]`` initial-state group; ``tag_ids``: ``[B]`` environment tag index;
-    ``turn_rewards``: ``[B, L − 1]`` per-turn rewards on the turn ends (``use_turn_scores``), else None.
+    ``turn_rewards``: ``[B, L − 1]`` per-turn rewards on the turn ends (``use_turn_scores``), else None;
+    ``rollout_log_probs``: ``[B, L − 1]`` the sampler's log-prob of token j + 1 where it was sampled in
+    this very context, NaN elsewhere (None when the rollout did not record them).
     """
 
     input_ids: Any
@@ -163,6 +189,7 @@ class Trajectory(NamedTuple):
     group_ids: Any
     tag_ids: Any
     turn_rewards: Any = None
+    rollout_log_probs: Any = None
 
 
 def position_ids(attention_mask: Any) -> Any:

@@ -1,5 +1,7 @@
-"""Sokoban: generated levels are solvable and deterministic; steps match gym-sokoban; exact text."""
+"""Sokoban: generated levels are solvable and deterministic, and RAGEN's (gym-sokoban's rooms seed for seed);
+steps match gym-sokoban; exact text."""
 
+import random
 import warnings
 
 import jax
@@ -11,6 +13,7 @@ import envs
 from envs.registry import CUSTOM_ENVS
 from envs.sokoban import SokobanState
 from envs.sokoban_generation import assemble_level
+from envs.sokoban_reverse_play import generate_room, host_level, reverse_play
 from envs.solvers import solve_sokoban
 from envs.text import env_prefix, turn_text
 from runtime.config import split_section
@@ -195,3 +198,40 @@ def test_bad_settings_name_the_field(kwargs, field):
 def test_unknown_tag_is_rejected():
     with pytest.raises(ValueError, match="Sokobann"):
         envs.make("Sokobann")
+
+
+def test_reverse_play_is_gym_sokobans_generate_room_seed_for_seed():
+    """The host generator's gym variant draws exactly gym-sokoban's rooms (same RNG calls, same DFS)."""
+    from gym_sokoban.envs.room_utils import generate_room as gym_generate_room
+    for dim, num_boxes in (((6, 6), 1), ((8, 8), 2)):
+        for seed in range(12):
+            random.seed(seed)
+            np.random.seed(seed)
+            fixed, state, _ = gym_generate_room(dim=dim, num_steps=int(1.7 * sum(dim)), num_boxes=num_boxes)
+            ours = generate_room(seed, dim, num_boxes, variant="gym")
+            np.testing.assert_array_equal(ours.room_fixed, fixed)
+            np.testing.assert_array_equal(ours.room_state, state)
+
+
+def test_reverse_play_hand_worked_corridor():
+    """Box on target c2 of a corridor, player on c3: RAGEN pulls right twice (1 swap x 2 cells = 2);
+    gym-sokoban counts every pull as a swap (2 x 2 = 4); search_depth 3 stops after one pull."""
+    floor = np.zeros((3, 7), int)
+    floor[1, 1:6] = 1
+    cell = lambda col: 7 + col
+    assert reverse_play(floor, cell(3), [cell(2)], 300) == (2, cell(5), (cell(4),))
+    assert reverse_play(floor, cell(3), [cell(2)], 300, "gym") == (4, cell(5), (cell(4),))
+    assert reverse_play(floor, cell(3), [cell(2)], 3) == (1, cell(4), (cell(3),))
+
+
+def test_environment_levels_are_ragens_for_the_keys_seed():
+    env = envs.make("LargerSokoban")
+    keys = jax.random.split(jax.random.key(7), 4)
+    _, states = jax.jit(jax.vmap(env.reset_env, in_axes=(0, None)))(keys, env.default_params)
+    for key, room in zip(keys, np.asarray(states.room_state)):
+        seed = int(jax.random.bits(key, (), jnp.uint32))
+        np.testing.assert_array_equal(room, host_level(seed, (8, 8), 2, 10).room_state)
+    with pytest.raises(ValueError, match="walk_budget and tries configure generator='pull_walk'"):
+        envs.make("SimpleSokoban", tries=3)
+    with pytest.raises(ValueError, match="generator must be one of"):
+        envs.make("SimpleSokoban", generator="dfs")

@@ -1,4 +1,5 @@
-"""The fused on-device rollout equals the host driver (greedy, same seeds); its reward-text automaton."""
+"""The fused on-device rollout equals the host driver (greedy, same seeds); its reward-text automaton; both
+drivers train on what they sampled; RAGEN's turn prompts (messy responses cleaned, oldest turns dropped)."""
 
 import dataclasses
 
@@ -23,7 +24,8 @@ from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.transformer import CausalLM
 from starpo_jax.rollout import RolloutSettings, host_rollout
 from starpo_jax.sampler import SamplerConfig, make_sampler
-from starpo_jax.trajectory import render_chat
+from starpo_jax.steps import make_log_prob_fn
+from starpo_jax.trajectory import Turn, render_chat, render_text
 
 TAGS = ("Bandit", "FrozenLake", "ShortLake")
 ROWS = (3, 3, 2)
@@ -112,7 +114,10 @@ def play_fused(s, params, settings=SETTINGS):
 
 def assert_same(traj, metrics, host_traj, slots):
     for name, a, b in zip(host_traj._fields, traj, host_traj):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+        if name == "rollout_log_probs":  # two compiled decoders: the same tokens, float32 rounding apart
+            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
     assert metrics == [slot_metrics(slot) for slot in slots]
 
 
@@ -196,3 +201,117 @@ def test_single_turn_tables_still_hold_the_second_turn_piece(setup):
     """RAGEN's Bandit config plays one turn; the tables (and their check) must not index past the end."""
     tables = build_env_tables(envs.make("Bandit"), setup["tokenizer"], dataclasses.replace(SETTINGS, max_turn=1))
     assert tables.turn.ids.shape[0] == 3 and int(tables.turn.lengths[2]) > 0
+
+
+@pytest.mark.parametrize("driver", ["host-cleaned", "host-sampled", "fused"])
+def test_sampler_log_probs_are_the_updates_old_log_probs(setup, driver):
+    """The policy trains on what it sampled from: every trained token that was sampled in that context has, in the update's
+    old-log-prob pass, the sampler's log-prob (fp32, 1e-4); with sampled ids every trained token but the
+    forced tag and a turn end closing a capped reply was sampled."""
+    settings = dataclasses.replace(SETTINGS, mask_alignment="standard", train_on_sampled_ids=driver != "host-cleaned")
+    if driver == "fused":
+        traj = play_fused(setup, setup["random"], settings).trajectory
+    else:
+        traj = play_host(setup, setup["random"], settings)[0]
+    old = jax.jit(make_log_prob_fn(setup["graphdef"], 1))(setup["random"], nnx.State({}), traj.input_ids,
+                                                          traj.attention_mask)
+    trained = traj.loss_mask > 0
+    sampled = np.isfinite(traj.rollout_log_probs) & trained  # a sampled <|im_start|> ends the trained segment
+    assert sampled.sum() >= len(SEEDS) * NEW_TOKENS
+    np.testing.assert_allclose(np.asarray(old)[sampled], traj.rollout_log_probs[sampled], atol=1e-4)
+    if driver != "host-cleaned":  # rows that sampled a <|im_start|> shift the role parity of the mask after it
+        tokenizer, targets = setup["tokenizer"], traj.input_ids[:, 1:]
+        intact = ~np.any(np.isfinite(traj.rollout_log_probs) & (targets == tokenizer.convert_tokens_to_ids(
+            "<|im_start|>")), axis=1)
+        assert intact.sum() >= len(SEEDS) // 2
+        unsampled = set(targets[intact][(trained & ~sampled)[intact]].tolist())
+        assert unsampled <= {tokenizer.convert_tokens_to_ids("<think>"), tokenizer.eos_token_id}
+
+
+MESSY = " go\t</think>\n<answer> Left ||Up|| Down</answer>!"  # spaces in tags, text between and after, 3 actions
+CLEANED = "<think>go</think><answer>Left || Up</answer>"  # RAGEN's _parse_response with max_actions_per_turn=2
+MESSY_NEW_TOKENS = 24
+
+
+class SpySampler:
+    """The real sampler, recording the ids each cache row holds when a turn decodes."""
+
+    def __init__(self, sample, rows):
+        self.sample, self.held, self.contexts = sample, [[] for _ in range(rows)], [[] for _ in range(rows)]
+
+    def __call__(self, params, tokens, mask, cache, key, active):
+        reused, segment, live = np.asarray(cache.lengths), np.asarray(tokens), np.asarray(active)
+        out = self.sample(params, tokens, mask, cache, key, active)
+        generated, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        for i, held in enumerate(self.held):
+            context = held[:reused[i]] + segment[i][np.asarray(mask)[i] > 0].tolist()
+            if live[i]:
+                self.contexts[i].append(context)
+            self.held[i] = context + generated[i, :lengths[i]].tolist()
+        return out
+
+
+@pytest.fixture(scope="module")
+def messy(setup):
+    tokenizer = setup["tokenizer"]
+    chain = ([tokenizer.convert_tokens_to_ids("<think>")] + tokenizer.encode(MESSY, add_special_tokens=False)
+             + [tokenizer.eos_token_id])
+    assert len(set(chain)) == len(chain), "the chain model needs distinct tokens"
+    sampler = make_sampler(setup["graphdef"], dataclasses.replace(setup["sampler_config"],
+                                                                  max_new_tokens=MESSY_NEW_TOKENS))
+    return chain_params(setup["random"], chain, setup["config"]), sampler
+
+
+def play_messy(setup, messy, max_model_len, **settings):
+    params, sampler = messy
+    spy = SpySampler(sampler, len(SEEDS))
+    settings = RolloutSettings(max_turn=3, max_actions_per_turn=2, max_model_len=max_model_len, bucket=64, **settings)
+    slots = make_slots()
+    traj = host_rollout(spy, params, setup["tokenizer"], slots,
+                        init_cache(setup["config"], len(slots), max_model_len + MESSY_NEW_TOKENS), jax.random.key(7),
+                        settings)
+    return traj, slots, spy.contexts
+
+
+@pytest.fixture(scope="module")
+def messy_played(setup, messy):
+    return play_messy(setup, messy, 768)
+
+
+def ragen_messages(slot, turns, for_update):
+    """RAGEN's chat after ``turns`` answered turns, each response cleaned by hand to CLEANED."""
+    history = [Turn(h.state, h.actions_left, CLEANED, h.reward) for h in slot.history[:turns]]
+    history.append(Turn(slot.history[turns].state, slot.history[turns].actions_left))
+    return render_chat(slot.prefix, history, max_tokens=slot.env.max_tokens, for_update=for_update)
+
+
+def test_turn_prompts_are_ragens_rerendered_chat_of_messy_responses(setup, messy_played):
+    tokenizer = setup["tokenizer"]
+    traj, slots, contexts = messy_played
+    assert max(len(s.history) for s in slots) == 4 and min(len(s.history) for s in slots) == 2
+    for row, slot in enumerate(slots):
+        turns = len(slot.history) - 1
+        assert [h.llm_response for h in slot.history[:turns]] == [CLEANED] * turns
+        assert [tokenizer.decode(c) for c in contexts[row]] == [
+            render_text(tokenizer, ragen_messages(slot, k, False), for_update=False) for k in range(turns)]
+        text = tokenizer.decode(traj.input_ids[row][traj.attention_mask[row] > 0])
+        assert text == render_text(tokenizer, ragen_messages(slot, turns, True), for_update=True)
+
+
+def test_long_chats_drop_the_oldest_turns_in_prompts_and_training(setup, messy, messy_played):
+    tokenizer = setup["tokenizer"]
+    _, full_slots, full_contexts = messy_played
+    row = next(i for i, s in enumerate(full_slots) if len(s.history) == 4)
+    limit = len(full_contexts[row][2]) - 1  # the third prompt no longer fits
+    traj, slots, contexts = play_messy(setup, messy, limit, use_turn_scores=True)
+    assert contexts[row][:2] == full_contexts[row][:2]
+    third = ragen_messages(slots[row], 2, False)
+    assert third[3]["content"].startswith("Reward") and third[4]["role"] == "assistant"
+    assert tokenizer.decode(contexts[row][2]) == render_text(tokenizer, third[:1] + third[4:], for_update=False)
+    trained = ragen_messages(slots[row], 3, True)
+    text = tokenizer.decode(traj.input_ids[row][traj.attention_mask[row] > 0])
+    assert text == render_text(tokenizer, trained[:1] + trained[4:], for_update=True)
+    assert traj.input_ids.shape[1] <= limit and max(len(c) for row_contexts in contexts for c in row_contexts) <= limit
+    np.testing.assert_allclose(traj.turn_rewards[row].sum(), sum(slots[row].turn_scores[1:]))
+    with pytest.raises(ValueError, match="over max_model_len=.*cannot drop its oldest turns"):
+        play_messy(setup, messy, limit, train_on_sampled_ids=True)

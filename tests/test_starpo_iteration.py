@@ -10,7 +10,7 @@ from flax import nnx
 
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded
-from starpo_jax.iteration import build_learner, num_micro_batches, update
+from starpo_jax.iteration import build_learner, num_micro_batches, select_groups, update
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.models.transformer import CausalLM, Critic
@@ -97,11 +97,33 @@ def test_turn_scores_replace_the_normalised_final_reward():
     traj = trajectory()
     rng = np.random.default_rng(1)
     turn_rewards = (rng.random(traj.loss_mask.shape) < 0.1) * rng.normal(size=traj.loss_mask.shape)
-    traj = traj._replace(turn_rewards=turn_rewards.astype(np.float32))
+    sampler_log_probs = np.where(rng.random(traj.loss_mask.shape) < 0.5, -1.0, np.nan).astype(np.float32)
+    traj = traj._replace(turn_rewards=turn_rewards.astype(np.float32), rollout_log_probs=sampler_log_probs)
     single = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     keep_all = ("actor_rollout_ref.rollout.rollout_filter_ratio=1",
                 "agent_proxy.reward_normalization.method=mean_std")
     _, metrics, _ = run("starpo-s-ppo", single, 4, keep_all + ("agent_proxy.use_turn_scores=True",), traj)
     np.testing.assert_allclose(metrics["critic/score/mean"], turn_rewards.sum(axis=1).mean(), rtol=1e-5)
+    trained = traj.loss_mask > 0
+    np.testing.assert_allclose(metrics["rollout/sampled_token_fraction"],
+                               (np.isfinite(sampler_log_probs) & trained).sum() / trained.sum(), rtol=1e-6)
+    assert metrics["rollout/sampler_log_prob_diff_max"] > 0  # a random model's log-probs are not all -1
     _, normalised, _ = run("starpo-s-ppo", single, 4, keep_all, traj)
     np.testing.assert_allclose(normalised["critic/score/mean"], 0.0, atol=1e-5)  # mean_std centres each group
+
+
+def test_turn_scores_filter_ranks_the_summed_turn_rewards():
+    """With ``use_turn_scores`` the filter ranks ``turn_rewards.sum(-1)`` (HEAD ``original_rm_scores``)."""
+    traj = trajectory()
+    b = GROUPS * GROUP_SIZE
+    turn_rewards = np.zeros(traj.loss_mask.shape, np.float32)
+    # group 3 varies most in turn rewards although its scores do not vary at all
+    turn_rewards[3 * GROUP_SIZE:, -1] = [0.0, 5.0, -5.0, 1.0]
+    traj = traj._replace(scores=np.zeros(b, np.float32), penalty=np.zeros(b, np.float32), turn_rewards=turn_rewards)
+    overrides = OVERRIDES + ("micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25")
+    kept, _, metrics = select_groups(traj, load_config("starpo-s-ppo", overrides + ("agent_proxy.use_turn_scores=True",)), 1)
+    np.testing.assert_array_equal(kept.group_ids, [3] * GROUP_SIZE)
+    want_std = np.std(turn_rewards.reshape(GROUPS, GROUP_SIZE, -1).sum(-1), axis=1, ddof=1)
+    np.testing.assert_allclose(metrics["rollout/in_group_std"], want_std.mean(), rtol=1e-5)
+    kept, _, _ = select_groups(traj, load_config("starpo-s-ppo", overrides), 1)
+    np.testing.assert_array_equal(kept.group_ids, [0] * GROUP_SIZE)  # all scores tie: lowest group id

@@ -136,7 +136,7 @@ def test_context_window_cuts_history_rewards_and_infos_together():
 
 
 def test_context_window_rollout_prefills_the_cut_chat_each_turn(setup):
-    """A used cache with its lengths reset decodes as a fresh one (the driver's restart), and a window of 2
+    """A used cache with its lengths reset decodes as a fresh one (what prefix reuse relies on), and a window of 2
     trains on the last played turn, numbered Turn 1, and scores only that turn."""
     tokenizer, config, _, params, sampler = setup
     first, second = ([tokenizer.encode(t, add_special_tokens=False)] * 2 for t in ("Turn 1: go left", "State: P_G"))

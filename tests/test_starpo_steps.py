@@ -143,3 +143,34 @@ def test_critic_step_reduces_value_loss_and_values_align():
             losses.append(float(m["critic/vf_loss"]))
     assert losses[-1] < losses[0]
     assert m["critic/grad_norm"] > 0 and m["critic/lr"] == pytest.approx(3e-3)
+
+
+def test_critic_loss_is_ragens_micro_batch_token_mean():
+    """Default critic aggregation = RAGEN HEAD/V2: masked token mean per one-trajectory micro-batch, averaged."""
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    batch = policy_batch(3)
+    critic_cfg = CriticConfig()
+    rng = np.random.default_rng(4)
+    returns = rng.normal(size=batch.loss_mask.shape).astype(np.float32)
+    with jax.set_mesh(mesh):
+        model = create_sharded(lambda: Critic(CONFIG, rngs=nnx.Rngs(1)), mesh)
+        graphdef, trainable, frozen = split_trainable(model, lora=False)
+        values = np.asarray(model(jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask))[0][:, :-1])
+        old_values = (values + rng.normal(0, 0.6, size=values.shape)).astype(np.float32)
+        tx = make_optimizer(critic_cfg.optim, critic_cfg.grad_clip)
+        state = init_train_state(trainable, tx, jax.random.key(0), mesh)
+        step = compile_step(make_critic_step(graphdef, tx, critic_cfg, 2), state, shardings_of(frozen),
+                            batch_sharding(mesh, 2))
+        _, m = step(state, frozen, shard_batch(CriticBatch(batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                                           old_values, returns), mesh))
+    micro_losses = []  # verl dp_critic with ppo_micro_batch_size_per_gpu=1: one trajectory per micro-batch
+    for v, old, r, mask in zip(values, old_values, returns, batch.loss_mask):
+        clipped = np.clip(v, old - 0.5, old + 0.5)
+        errors = np.maximum((v - r) ** 2, (clipped - r) ** 2)
+        micro_losses.append(0.5 * (errors * mask).sum() / (mask.sum() + 1e-8))
+    want = np.sum(micro_losses) / len(micro_losses)  # each micro-batch loss / gradient_accumulation
+    token_mean = 0.5 * sum(np.maximum((v - r) ** 2, (np.clip(v, o - 0.5, o + 0.5) - r) ** 2)[k].sum()
+                           for v, o, r, k in zip(values, old_values, returns, batch.loss_mask > 0)) / batch.loss_mask.sum()
+    assert critic_cfg.loss_agg_mode == "seq-mean-token-mean"
+    np.testing.assert_allclose(float(m["critic/vf_loss"]), want, rtol=1e-4)
+    assert abs(want - token_mean) > 1e-3 * abs(want)  # the batch tells the two aggregations apart

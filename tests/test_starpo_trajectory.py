@@ -5,8 +5,8 @@ import pytest
 
 from envs.text import reward_text
 from starpo_jax.chat_tokenizer import train_chat_tokenizer
-from starpo_jax.trajectory import (Turn, chat_tokens, left_pad, loss_mask, position_ids, render_chat, render_text,
-                                   turn_indicators)
+from starpo_jax.trajectory import (Turn, apply_max_length, chat_tokens, left_pad, loss_mask, position_ids, render_chat,
+                                   render_text, turn_indicators)
 
 INSTRUCTION = ("You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
                "When you are right next to a box, you can push it by moving in the same direction. You cannot push "
@@ -103,3 +103,24 @@ def test_positions_are_zero_based_and_overflow_is_an_error():
     np.testing.assert_array_equal(position_ids(mask), [[0, 1, 2], [0, 0, 0]])
     with pytest.raises(ValueError, match="exceeds max_model_len=2"):
         left_pad([[1, 2, 3]], pad_id=0, length=2)
+
+
+def test_apply_max_length_drops_the_oldest_turns_as_ragen_v2():
+    """V2 ``_apply_max_length`` with length = number of messages: triples with a Reward, pairs, singles."""
+    system = {"role": "system", "content": "s"}
+    user = lambda text: {"role": "user", "content": text}
+    assistant = lambda text: {"role": "assistant", "content": text}
+    chat = [system, user("Turn 1"), assistant("a1"), user("Reward:\n0\n\nTurn 2"), assistant("a2"),
+            user("Reward:\n1\n\nTurn 3")]
+    count = len
+    assert apply_max_length(chat, count, 6) is chat
+    assert apply_max_length(chat, count, 5) == [system, assistant("a2"), user("Reward:\n1\n\nTurn 3")]
+    assert apply_max_length(chat, count, 1) == [system, assistant("a2"), user("Reward:\n1\n\nTurn 3")]  # 2 left
+    no_reward = [system, user("Turn 1"), assistant("a1"), user("Turn 2"), assistant("a2"), user("Turn 3")]
+    assert apply_max_length(no_reward, count, 4) == [system] + no_reward[3:]  # a pair without a Reward
+    assert apply_max_length(no_reward, count, 3) == [system, user("Turn 3")]  # two pairs
+    odd = [system, assistant("a0"), user("Turn 1"), assistant("a1"), user("Turn 2")]
+    assert apply_max_length(odd, count, 4) == [system] + odd[2:]  # a leading assistant goes alone
+    lengths = []
+    assert apply_max_length(chat, lambda m: lengths.append(len(m)) or 10 * len(m), 35) == [system] + chat[4:]
+    assert lengths == [6, 3]  # measured whole, then after each removal, until it fits

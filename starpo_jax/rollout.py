@@ -16,7 +16,6 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from envs.text import FORMAT_PENALTY, MAX_ACTIONS_PER_TURN, parse_response

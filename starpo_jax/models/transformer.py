@@ -150,7 +150,7 @@ class Decoder(nnx.Module):
             xs = (layer_state, cache.keys, cache.values)
         if self.config.remat:
             body = jax.checkpoint(body)
-        x, new_kv = jax.lax.scan(body, x, xs)
+        x, new_kv = jax.lax.scan(body, x, xs, unroll=1 if self.config.scan_layers else True)
         if cache is not None:
             cache = KVCache(new_kv[0], new_kv[1], new_lengths)
         return self.norm(x), cache

@@ -226,7 +226,8 @@ def tdd_programs(unet: dict, text: tuple[int, int, int | None], run, mesh, *, mi
                  batch: int) -> tuple[dict[str, Program], Any]:
     """The distillation step of ``launch.tdd distil`` for a diffusers UNet config (LoRA student)."""
     cfg = UNetConfig.from_diffusers(unet, dtype=run.unet_dtype, remat=run.remat)
-    module = UNet2DConditionModel(cfg, rngs=None)
+    with nnx.use_eager_sharding(False):
+        module = UNet2DConditionModel(cfg, rngs=None)
     add_lora(module, LoraConfig(rank=run.lora_rank, alpha=run.lora_alpha), nnx.Rngs(run.seed))
     graphdef, params, frozen = split_model(module, lora=True)
     params, frozen = aot.abstract_state(params, mesh), FrozenParams(aot.abstract_state(frozen.base, mesh))
@@ -369,6 +370,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--param-dtype", default="float32", help="StarPO parameter dtype (the trainer's: float32)")
     parser.add_argument("--remat", action="store_true", help="rematerialise layers (StarPO) / UNet blocks (TDD)")
     parser.add_argument("--prompt-length", type=int, default=512, help="StarPO: tokens of the sampler's prompt")
+    parser.add_argument("--no-costs", action="store_true", help="HBM only: skip the loop-free copies for FLOPs/bytes")
     parser.add_argument("--suggest", action="store_true", help="when a program does not fit, search a mesh that does")
     parser.add_argument("--max-tries", type=int, default=8, help="configurations --suggest compiles at most")
     return parser.parse_known_args(argv)
@@ -415,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> bool:
 
         micro_batch = run.batch_size // run.distill.num_microbatches
         title = f"TDD {args.preset or 'sdxl'}, {args.unet} UNet, {run.unet_dtype}, {run.resolution} px, batch {run.batch_size}"
-    measured = measure_fn(mesh_cfg, args.remat, micro_batch, costs=True)
+    measured = measure_fn(mesh_cfg, args.remat, micro_batch, costs=not args.no_costs)
     if measured is None:
         raise ValueError(f"--mesh {args.mesh}: the data-parallel devices do not divide the mini-batch")
     table, fits = report(*measured, tpu)

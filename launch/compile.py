@@ -40,7 +40,7 @@ from launch.model_shapes import DECODERS, SD_SCHEDULER, UNET_TEXT, UNETS
 from runtime import aot
 from runtime.config import parse_config
 from runtime.mesh import LOGICAL_AXIS_RULES, MeshConfig, batch_sharding, replicated
-from runtime.train_state import TrainState, compile_step
+from runtime.train_state import TrainState, compile_step, optimizer_shardings
 from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.iteration import num_micro_batches
@@ -90,7 +90,9 @@ def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
 def _train_state(trainable, tx, mesh) -> TrainState:
     """The abstract ``runtime.train_state.init_train_state`` of abstract ``trainable``."""
     key = jax.eval_shape(jax.random.key, 0)
-    return TrainState(trainable, aot.abstract_like(tx.init, mesh, trainable), _sds((), jnp.int32, replicated(mesh)),
+    opt_state = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), jax.eval_shape(tx.init, trainable),
+                             optimizer_shardings(tx, trainable, mesh))
+    return TrainState(trainable, opt_state, _sds((), jnp.int32, replicated(mesh)),
                       _sds(key.shape, key.dtype, replicated(mesh)))
 
 
@@ -396,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> bool:
                 num_micro_batches(cfg, mesh_)
             except ValueError:
                 return None
-            return starpo_rows(dataclasses.replace(model, remat=remat), cfg, mesh_, args.prompt_length, costs)
+            with jax.set_mesh(mesh_):  # as launch.starpo.train: activation constraints see the mesh
+                return starpo_rows(dataclasses.replace(model, remat=remat), cfg, mesh_, args.prompt_length, costs)
 
         micro_batch = config.micro_batch_size_per_gpu
         title = f"StarPO {args.preset or 'starpo-s-ppo'}, {args.model}, {model.param_dtype} params, {model.dtype} compute"
@@ -413,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> bool:
                 return None
             cfg = dataclasses.replace(run, remat=remat, distill=dataclasses.replace(
                 run.distill, num_microbatches=num if micro != per_device else run.distill.num_microbatches))
-            return tdd_rows(unet, text, cfg, mesh_, costs)
+            with jax.set_mesh(mesh_):
+                return tdd_rows(unet, text, cfg, mesh_, costs)
 
         micro_batch = run.batch_size // run.distill.num_microbatches
         title = f"TDD {args.preset or 'sdxl'}, {args.unet} UNet, {run.unet_dtype}, {run.resolution} px, batch {run.batch_size}"

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import state_shardings
@@ -108,19 +108,6 @@ def abstract_state(state: Any, mesh: Mesh) -> Any:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
     return jax.tree.map(one, state, shardings, is_leaf=is_variable)
-
-
-def abstract_like(fn, mesh: Mesh, *args) -> Any:
-    """The outputs of ``jax.jit(fn)(*args)`` as ``ShapeDtypeStruct``s on the shardings the compiler chose;
-    outputs that depend on no argument (counters) are replicated over ``mesh``, as a run places them."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    out = jax.eval_shape(fn, *args)
-
-    def one(x, sharding):
-        sharding = sharding if isinstance(sharding, NamedSharding) else NamedSharding(mesh, PartitionSpec())
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(one, out, compiled.output_shardings)
 
 
 @dataclasses.dataclass(frozen=True)

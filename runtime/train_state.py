@@ -27,13 +27,21 @@ class TrainState(NamedTuple):
     rng: jax.Array
 
 
+def optimizer_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
+    """Shardings of ``tx.init(params)``: each parameter-shaped tree (Adam's moments) like ``params``, the
+    rest (counters) replicated. Left to the compiler, zeros that depend on no input are not sharded."""
+    return optax.tree_utils.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+                                            jax.tree.map(lambda x: x.sharding, params),
+                                            transform_non_params=lambda _: replicated(mesh))
+
+
 def init_train_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh) -> TrainState:
     """Builds a ``TrainState`` whose optimizer state is sharded like ``params``.
 
     ``params`` must already be placed (e.g. by ``create_sharded``); the step
     counter and the RNG key are replicated over ``mesh``.
     """
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(tx.init, out_shardings=optimizer_shardings(tx, params, mesh))(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
     return TrainState(params, opt_state, step, jax.device_put(rng, replicated(mesh)))
 

@@ -40,7 +40,8 @@ def test_starpo_programs_compile_for_tpu_with_real_shardings(v5e):
     assert {"actor step", "critic step", "sampler"} <= set(programs)
     for name in ("actor step", "critic step", "sampler"):
         program = programs[name]
-        compiled = program.fn.lower(*program.args).compile()
+        with jax.set_mesh(mesh):
+            compiled = program.fn.lower(*program.args).compile()
         assert compiled.memory_analysis().temp_size_in_bytes > 0, name
         embed = program.args[0]
         embed = (embed.params if hasattr(embed, "params") else embed)["model"]["embed_tokens"]

@@ -30,9 +30,11 @@ class TrainState(NamedTuple):
 def optimizer_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
     """Shardings of ``tx.init(params)``: each parameter-shaped tree (Adam's moments) like ``params``, the
     rest (counters) replicated. Left to the compiler, zeros that depend on no input are not sharded."""
-    return optax.tree_utils.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
-                                            jax.tree.map(lambda x: x.sharding, params),
-                                            transform_non_params=lambda _: replicated(mesh))
+    structure = jax.tree.structure(params)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    like_params = lambda x: jax.tree.structure(x) == structure  # noqa: E731
+    return jax.tree.map(lambda x: shardings if like_params(x) else replicated(mesh), jax.eval_shape(tx.init, params),
+                        is_leaf=lambda x: like_params(x) or isinstance(x, jax.ShapeDtypeStruct))
 
 
 def init_train_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh) -> TrainState:

@@ -3,6 +3,10 @@
     python -m launch.compile starpo --model Qwen2.5-7B --topology v5e:2x4 --mesh 1,-1,1 --preset starpo-s-ppo
     python -m launch.compile tdd --unet SDXL --topology v5e:2x4 --preset sdxl
     python -m launch.compile starpo --model /models/Qwen3-8B/config.json --topology v5p:2x2x2 --suggest
+    python -m launch.compile starpo --model Qwen2.5-7B --preset starpo-s-ppo-lora remat=True dtype=bfloat16
+
+Further ``key=value`` arguments override the run's config exactly as for ``launch.starpo`` / ``launch.tdd
+distil`` (e.g. ``remat=True``, ``dtype=bfloat16``, ``micro_batch_size_per_gpu=2``; TDD ``unet_dtype=bfloat16``).
 
 Programs are the project's own builders (``starpo_jax.steps``, ``starpo_jax.sampler``,
 ``tdd_jax.distill``) lowered on ``jax.ShapeDtypeStruct`` arguments with the shardings a run places
@@ -171,14 +175,17 @@ def device_bytes(tree: Any) -> float:
     return float(sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree)))
 
 
-def _compile(program: Program | tuple) -> aot.Measure:
+def _compile(program: Program | tuple, mesh) -> aot.Measure:
+    """Lowers under ``jax.set_mesh`` (as ``launch.starpo.train``: activation constraints see the mesh)."""
     fn, args = program[0], program[1]
-    return aot.compile_and_measure(fn.lower(*args), device_bytes(args))
+    with jax.set_mesh(mesh):
+        lowered = fn.lower(*args)
+    return aot.compile_and_measure(lowered, device_bytes(args))
 
 
-def _depth(build: Callable[[int], dict[str, Program]], depth: int, name: str) -> aot.Measure:
+def _depth(build: Callable[[int], dict[str, Program]], depth: int, name: str, mesh) -> aot.Measure:
     """The cost of ``name`` at ``depth`` layers from unrolled copies at depth 1 and 2 (linear in depth)."""
-    one, two = _compile(build(1)[name]), _compile(build(2)[name])
+    one, two = _compile(build(1)[name], mesh), _compile(build(2)[name], mesh)
     return one + (two + one.scale(-1.0)).scale(depth - 1)
 
 
@@ -206,17 +213,17 @@ def starpo_rows(model: TransformerConfig, config: StarPOConfig, mesh, prompt_len
               "values": 1, "actor step": kept // mini, "critic step": kept // mini}
     rows = []
     for name, program in programs.items():
-        memory = _compile(program)
+        memory = _compile(program, mesh)
         memory = dataclasses.replace(memory, total=memory.total - device_bytes(program.args[:program.resident_args]))
         if not costs:
             rows.append(Row(name, memory, 0.0, 0.0, counts[name]))
             continue
-        cost = _depth(unrolled, model.num_layers, name)
+        cost = _depth(unrolled, model.num_layers, name, mesh)
         if name == "sampler":
-            decode = _depth(one_token, model.num_layers, name).scale(0.5)
+            decode = _depth(one_token, model.num_layers, name, mesh).scale(0.5)
             cost = cost + decode.scale(config.actor_rollout_ref.rollout.response_length - 2)
         elif program.update is not None:
-            update = _compile(program.update)
+            update = _compile(program.update, mesh)
             cost = update + (cost + update.scale(-1.0)).scale(micro)
         else:
             cost = cost.scale(micro)
@@ -260,12 +267,13 @@ def tdd_rows(unet: dict, text, run, mesh, costs: bool = True) -> tuple[list[Row]
     micro = run.distill.num_microbatches
     programs, resident = tdd_programs(unet, text, run, mesh, micro_batches=micro, batch=run.batch_size)
     program = programs["distill step"]
-    memory = _compile(program)
+    memory = _compile(program, mesh)
     memory = dataclasses.replace(memory, total=memory.total - device_bytes(program.args[:program.resident_args]))
     if not costs:
         return [Row("distill step", memory, 0.0, 0.0, 1)], device_bytes(resident)
-    one = _compile(tdd_programs(unet, text, run, mesh, micro_batches=1, batch=run.batch_size // micro)[0]["distill step"])
-    update = _compile(program.update)
+    one = _compile(tdd_programs(unet, text, run, mesh, micro_batches=1, batch=run.batch_size // micro)[0]["distill step"],
+                   mesh)
+    update = _compile(program.update, mesh)
     cost = update + (one + update.scale(-1.0)).scale(micro)
     return [Row("distill step", memory, cost.flops, cost.bytes_accessed, 1)], device_bytes(resident)
 
@@ -313,12 +321,13 @@ def mesh_candidates(devices: int) -> list[MeshConfig]:
 
 
 def suggest(measure_fn: Callable[[MeshConfig, bool, int], tuple[list[Row], float] | None], tpu: aot.Slice,
-            micro_batch: int, max_tries: int) -> str:
+            micro_batch: int, max_tries: int, remat_given: bool = False) -> str:
     """The first (mesh, remat, micro-batch) whose programs all fit, searching meshes, then remat, then smaller
     micro-batches; ``measure_fn`` returns None for a mesh the run cannot use."""
     tries = 0
     options = [(remat, mb) for remat in (False, True) for mb in (micro_batch, micro_batch // 2, micro_batch // 4)
                if mb >= 1 and (mb == micro_batch or remat)]
+    options = [option for option in options if option[0] or not remat_given]
     for remat, mb in options:
         for mesh in mesh_candidates(len(tpu.devices)):
             measured = measure_fn(mesh, remat, mb)
@@ -333,13 +342,11 @@ def suggest(measure_fn: Callable[[MeshConfig, bool, int], tuple[list[Row], float
     return f"no fitting configuration among the {tries} tried: use more chips"
 
 
-def decoder_config(model: str, dtype: str, param_dtype: str, remat: bool) -> TransformerConfig:
-    """A named shape (``DECODERS``) or a Hugging Face ``config.json`` (file or folder)."""
-    if model in DECODERS:
-        return TransformerConfig.from_hf(DECODERS[model], dtype=dtype, param_dtype=param_dtype, remat=remat)
-    if not Path(model).exists():
+def decoder_config(model: str, config: StarPOConfig) -> TransformerConfig:
+    """A named shape (``DECODERS``) or a Hugging Face ``config.json`` (file or folder), with the run's numerics."""
+    if model not in DECODERS and not Path(model).exists():
         raise ValueError(f"--model {model!r} is neither a named shape ({', '.join(DECODERS)}) nor a config.json path")
-    return TransformerConfig.from_hf(model, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return TransformerConfig.from_hf(DECODERS.get(model, model), dtype=config.dtype, remat=config.remat)
 
 
 def unet_config(unet: str) -> tuple[dict, tuple[int, int, int | None]]:
@@ -368,9 +375,6 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                                          "TDD: a launch.tdd distil preset (default sdxl)")
     parser.add_argument("--model", default="Qwen2.5-0.5B", help=f"StarPO: {', '.join(DECODERS)} or a config.json")
     parser.add_argument("--unet", default="SDXL", help=f"TDD: {', '.join(UNETS)} or a diffusers unet/config.json")
-    parser.add_argument("--dtype", default="float32", help="StarPO compute dtype (the trainer's: float32)")
-    parser.add_argument("--param-dtype", default="float32", help="StarPO parameter dtype (the trainer's: float32)")
-    parser.add_argument("--remat", action="store_true", help="rematerialise layers (StarPO) / UNet blocks (TDD)")
     parser.add_argument("--prompt-length", type=int, default=512, help="StarPO: tokens of the sampler's prompt")
     parser.add_argument("--no-costs", action="store_true", help="HBM only: skip the loop-free copies for FLOPs/bytes")
     parser.add_argument("--suggest", action="store_true", help="when a program does not fit, search a mesh that does")
@@ -386,8 +390,8 @@ def main(argv: Sequence[str] | None = None) -> bool:
     mesh_cfg.shape(len(tpu.devices))
     clock = time.perf_counter()
     if args.program == "starpo":
-        model = decoder_config(args.model, args.dtype, args.param_dtype, args.remat)
         config = load_config(args.preset or "starpo-s-ppo", overrides)
+        model = decoder_config(args.model, config)
         if args.prompt_length < 1 or args.prompt_length > config.actor_rollout_ref.rollout.max_model_len:
             raise ValueError(f"--prompt-length must be in [1, max_model_len], got {args.prompt_length}")
 
@@ -398,15 +402,14 @@ def main(argv: Sequence[str] | None = None) -> bool:
                 num_micro_batches(cfg, mesh_)
             except ValueError:
                 return None
-            with jax.set_mesh(mesh_):  # as launch.starpo.train: activation constraints see the mesh
-                return starpo_rows(dataclasses.replace(model, remat=remat), cfg, mesh_, args.prompt_length, costs)
+            return starpo_rows(dataclasses.replace(model, remat=remat), cfg, mesh_, args.prompt_length, costs)
 
         micro_batch = config.micro_batch_size_per_gpu
-        title = f"StarPO {args.preset or 'starpo-s-ppo'}, {args.model}, {model.param_dtype} params, {model.dtype} compute"
+        title = (f"StarPO {args.preset or 'starpo-s-ppo'}, {args.model}, {model.param_dtype} params, {model.dtype} "
+                 f"compute, remat {model.remat}")
     else:
         unet, text = unet_config(args.unet)
         run = parse_config(DistilRunConfig, DISTIL_PRESETS[args.preset or "sdxl"], overrides)
-        run = dataclasses.replace(run, remat=run.remat or args.remat)
 
         def measure_fn(mesh: MeshConfig, remat: bool, micro: int, costs: bool = False):
             per_device = run.batch_size // run.distill.num_microbatches
@@ -416,12 +419,13 @@ def main(argv: Sequence[str] | None = None) -> bool:
                 return None
             cfg = dataclasses.replace(run, remat=remat, distill=dataclasses.replace(
                 run.distill, num_microbatches=num if micro != per_device else run.distill.num_microbatches))
-            with jax.set_mesh(mesh_):
-                return tdd_rows(unet, text, cfg, mesh_, costs)
+            return tdd_rows(unet, text, cfg, mesh_, costs)
 
         micro_batch = run.batch_size // run.distill.num_microbatches
-        title = f"TDD {args.preset or 'sdxl'}, {args.unet} UNet, {run.unet_dtype}, {run.resolution} px, batch {run.batch_size}"
-    measured = measure_fn(mesh_cfg, args.remat, micro_batch, costs=not args.no_costs)
+        title = (f"TDD {args.preset or 'sdxl'}, {args.unet} UNet, {run.unet_dtype}, remat {run.remat}, "
+                 f"{run.resolution} px, batch {run.batch_size}")
+    remat = config.remat if args.program == "starpo" else run.remat
+    measured = measure_fn(mesh_cfg, remat, micro_batch, costs=not args.no_costs)
     if measured is None:
         raise ValueError(f"--mesh {args.mesh}: the data-parallel devices do not divide the mini-batch")
     table, fits = report(*measured, tpu)
@@ -430,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> bool:
     if not fits:
         print("DOES NOT FIT: a program's peak exceeds the device's HBM.")
         if args.suggest:
-            print(suggest(measure_fn, tpu, micro_batch, args.max_tries))
+            print(suggest(measure_fn, tpu, micro_batch, args.max_tries, remat))
     print(f"compiled in {time.perf_counter() - clock:.0f} s")
     return fits
 

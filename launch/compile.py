@@ -409,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> bool:
                  f"compute, remat {model.remat}")
     else:
         unet, text = unet_config(args.unet)
+        if (args.preset or "sdxl") not in DISTIL_PRESETS:
+            raise ValueError(f"--preset for tdd must be one of {sorted(DISTIL_PRESETS)}, got {args.preset!r}")
         run = parse_config(DistilRunConfig, DISTIL_PRESETS[args.preset or "sdxl"], overrides)
 
         def measure_fn(mesh: MeshConfig, remat: bool, micro: int, costs: bool = False):

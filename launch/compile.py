@@ -44,6 +44,7 @@ from launch.model_shapes import DECODERS, SD_SCHEDULER, UNET_TEXT, UNETS
 from runtime import aot
 from runtime.config import parse_config
 from runtime.mesh import LOGICAL_AXIS_RULES, MeshConfig, batch_sharding, replicated
+from runtime.sharding import shardings_of
 from runtime.train_state import TrainState, compile_step, optimizer_shardings
 from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import num_kept_groups
@@ -133,7 +134,7 @@ def starpo_programs(model: TransformerConfig, config: StarPOConfig, mesh, *, mic
     policy = PolicyBatch(ids(rows), ids(rows), *(per_token(rows) for _ in range(4)))
     step = make_actor_step(graphdef, actor_tx, actor_cfg, micro_batches, rollout.temperature)
     programs = {
-        "actor step": Program(compile_step(step, actor, frozen, rows2), (actor, frozen, policy), 2,
+        "actor step": Program(compile_step(step, actor, shardings_of(frozen), rows2), (actor, frozen, policy), 2,
                               _update(actor_tx, actor)),
         "old/ref log-probs": Program(jax.jit(make_log_prob_fn(graphdef, micro_batches, rollout.temperature)),
                                      (trainable, frozen, ids(log_prob_rows), ids(log_prob_rows)), 2),
@@ -159,7 +160,7 @@ def starpo_programs(model: TransformerConfig, config: StarPOConfig, mesh, *, mic
         critic = _train_state(trainable_c, critic_tx, mesh)
         critic_batch = CriticBatch(ids(rows), ids(rows), *(per_token(rows) for _ in range(3)))
         step = make_critic_step(graphdef_c, critic_tx, config.critic, micro_batches)
-        programs["critic step"] = Program(compile_step(step, critic, frozen_c, rows2),
+        programs["critic step"] = Program(compile_step(step, critic, shardings_of(frozen_c), rows2),
                                           (critic, frozen_c, critic_batch), 2, _update(critic_tx, critic))
         programs["values"] = Program(jax.jit(make_value_fn(graphdef_c, micro_batches)),
                                      (trainable_c, frozen_c, ids(log_prob_rows), ids(log_prob_rows)), 2)

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from runtime.mesh import LOGICAL_AXIS_RULES, batch_sharding, logical_sharding, replicated
+from runtime.mesh import LOGICAL_AXIS_RULES, batch_sharding, logical_sharding, logical_to_spec, replicated
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -80,3 +80,15 @@ def shard_batch(batch: Any, mesh: Mesh, rules: dict[str, Any] = LOGICAL_AXIS_RUL
         return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim, rules), x)
 
     return jax.tree.map(one, batch)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...], rules: dict[str, Any] = LOGICAL_AXIS_RULES) -> jax.Array:
+    """Pins activation ``x`` to its logical axes on the mesh set by ``jax.set_mesh``; a no-op without one.
+
+    Without it the compiler may keep a weight's FSDP sharding on the contracted dimension and replicate
+    the batch instead (all-reducing ``[B, L, vocab]`` logits rather than all-gathering the weight).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, rules))

@@ -27,13 +27,23 @@ class TrainState(NamedTuple):
     rng: jax.Array
 
 
+def optimizer_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
+    """Shardings of ``tx.init(params)``: each parameter-shaped tree (Adam's moments) like ``params``, the
+    rest (counters) replicated. Left to the compiler, zeros that depend on no input are not sharded."""
+    structure = jax.tree.structure(params)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    like_params = lambda x: jax.tree.structure(x) == structure  # noqa: E731
+    return jax.tree.map(lambda x: shardings if like_params(x) else replicated(mesh), jax.eval_shape(tx.init, params),
+                        is_leaf=lambda x: like_params(x) or isinstance(x, jax.ShapeDtypeStruct))
+
+
 def init_train_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh) -> TrainState:
     """Builds a ``TrainState`` whose optimizer state is sharded like ``params``.
 
     ``params`` must already be placed (e.g. by ``create_sharded``); the step
     counter and the RNG key are replicated over ``mesh``.
     """
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(tx.init, out_shardings=optimizer_shardings(tx, params, mesh))(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
     return TrainState(params, opt_state, step, jax.device_put(rng, replicated(mesh)))
 

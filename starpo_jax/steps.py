@@ -61,11 +61,43 @@ def make_optimizer(optim: OptimConfig, grad_clip: float) -> optax.GradientTransf
         optax.adamw(optim.lr, b1=optim.betas[0], b2=optim.betas[1], eps=1e-8, weight_decay=optim.weight_decay)))
 
 
+# Positions whose vocabulary logits exist at once in ``model_token_log_probs``.
+LOG_PROB_CHUNK = 256
+
+
+def _target_log_probs(logits: jax.Array, targets: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """Log-probabilities of ``targets`` and entropies under ``softmax(logits / T)`` (aligned positions)."""
+    scaled = logits.astype(jnp.float32) / temperature
+    log_probs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), targets[..., None], axis=-1)[..., 0]
+    return log_probs, entropy_from_logits(scaled)
+
+
 def token_log_probs(logits: jax.Array, input_ids: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
     """Log-probabilities and entropies of tokens 1..L−1 under ``softmax(logits / T)``, each ``[B, L − 1]``."""
-    scaled = logits[:, :-1].astype(jnp.float32) / temperature
-    log_probs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), input_ids[:, 1:, None], axis=-1)[..., 0]
-    return log_probs, entropy_from_logits(scaled)
+    return _target_log_probs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+def model_token_log_probs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, temperature: float,
+                          chunk: int = LOG_PROB_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """``token_log_probs(model(input_ids, attention_mask)[0], ...)`` without the ``[B, L, vocab]`` float32 logits.
+
+    The LM head and log-softmax run on ``chunk`` positions at a time (``lax.map``), each chunk
+    rematerialised in the backward pass, so only ``[B, chunk, vocab]`` logits are ever live.
+    """
+    hidden, _ = model.model(input_ids, attention_mask)
+    hidden, targets = hidden[:, :-1], input_ids[:, 1:]
+    n = targets.shape[1]
+    if n <= chunk:
+        return _target_log_probs(model.logits(hidden), targets, temperature)
+    pad = -n % chunk
+
+    def chunks(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(x.shape[0], -1, chunk, *x.shape[2:]), 0, 1)
+
+    one = jax.checkpoint(lambda xs: _target_log_probs(model.logits(xs[0]), xs[1], temperature))
+    out = jax.lax.map(one, (chunks(hidden), chunks(targets)))
+    return tuple(jnp.swapaxes(x, 0, 1).reshape(x.shape[1], -1)[:, :n] for x in out)
 
 
 def micro_batches(batch: Any, num_micro_batches: int) -> Any:
@@ -112,8 +144,7 @@ def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ac
                     num_micro_batches: int, temperature: float = 1.0) -> Callable:
     """``step(state, frozen, PolicyBatch)``: one optimiser step of the StarPO policy loss (starpo.md §10)."""
     def loss_fn(model, micro: PolicyBatch, normalizer):
-        logits, _ = model(micro.input_ids, micro.attention_mask)
-        log_probs, entropy = token_log_probs(logits, micro.input_ids, temperature)
+        log_probs, entropy = model_token_log_probs(model, micro.input_ids, micro.attention_mask, temperature)
         out = actor_loss(log_probs, micro.old_log_probs, micro.advantages, micro.loss_mask, entropy,
                          micro.ref_log_probs, clip_ratio_low=actor.clip_ratio_low,
                          clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
@@ -150,7 +181,7 @@ def make_log_prob_fn(graphdef: nnx.GraphDef, num_micro_batches: int, temperature
 
         def one(micro):
             ids, mask = micro
-            return token_log_probs(model(ids, mask)[0], ids, temperature)[0]
+            return model_token_log_probs(model, ids, mask, temperature)[0]
 
         out = jax.lax.map(one, micro_batches((input_ids, attention_mask), num_micro_batches))
         return _merge_micro_batches(out)

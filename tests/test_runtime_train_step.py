@@ -52,6 +52,10 @@ def test_sharded_step_equals_single_device(reference, mesh_shape):
     assert len(kernel.sharding.device_set) == np.prod(mesh_shape)
     data, fsdp, tensor = mesh_shape
     assert kernel.sharding.shard_shape(kernel.shape) == (16 // fsdp, 32 // tensor)
+    adam = state.opt_state[0]  # Adam's moments are sharded like the parameters, counters replicated
+    for moment in (adam.mu, adam.nu):
+        assert moment["up"]["kernel"].get_value().sharding == kernel.sharding
+    assert adam.count.sharding.is_fully_replicated and len(adam.count.sharding.device_set) == np.prod(mesh_shape)
 
 
 def test_step_traces_once_for_repeated_calls():

@@ -15,7 +15,8 @@ from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.models.transformer import CausalLM, Critic
 from starpo_jax.steps import (CriticBatch, PolicyBatch, make_actor_step, make_critic_step, make_log_prob_fn,
-                              make_optimizer, make_value_fn, micro_batches, split_trainable, token_log_probs)
+                              make_optimizer, make_value_fn, micro_batches, model_token_log_probs, split_trainable,
+                              token_log_probs)
 
 CONFIG = TransformerConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=8, model_type="qwen2", attention_bias=True)
@@ -33,6 +34,25 @@ def test_token_log_probs_match_numpy():
     want = np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(lp, want, atol=1e-5)
     np.testing.assert_allclose(ent, -(np.exp(logp) * logp).sum(-1), atol=1e-5)
+
+
+def test_chunked_log_probs_and_gradients_equal_full_logits():
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        model = create_sharded(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(3)), mesh)
+    ids = jax.random.randint(jax.random.key(1), (2, L), 0, CONFIG.vocab_size)
+    mask = jnp.ones((2, L), jnp.int32).at[0, :3].set(0)
+
+    def loss(model, chunk):  # chunk 5 splits the 11 scored positions into 3 chunks, the last one padded
+        lp, ent = model_token_log_probs(model, ids, mask, 0.7, chunk)
+        return jnp.sum(lp) + 0.1 * jnp.sum(ent), (lp, ent)
+
+    (_, full), full_grads = nnx.value_and_grad(loss, has_aux=True)(model, L)
+    (_, chunked), chunked_grads = nnx.value_and_grad(loss, has_aux=True)(model, 5)
+    want = token_log_probs(model(ids, mask)[0], ids, 0.7)
+    chex.assert_trees_all_close(full, want, atol=1e-6)
+    chex.assert_trees_all_close(chunked, want, atol=1e-5)
+    chex.assert_trees_all_close(nnx.state(chunked_grads), nnx.state(full_grads), atol=1e-5)
 
 
 def test_micro_batches_take_strided_rows():

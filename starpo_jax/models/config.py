@@ -31,6 +31,8 @@ class TransformerConfig:
       rope_type: "default" or "llama3" (Llama 3.1 frequency scaling).
       dtype: compute dtype of activations; ``param_dtype``: storage dtype of parameters.
       remat: rematerialise each layer in the backward pass (``jax.checkpoint``).
+      scan_layers: apply the stacked layers with ``lax.scan``; False unrolls them (longer compiles, but
+        XLA's cost analysis then counts every layer, see ``launch.compile``).
       initializer_range: standard deviation of the random token embedding (and untied LM head), as in
         Hugging Face's ``_init_weights``; projections start at ``normal(1 / sqrt(fan_in))``.
     """
@@ -61,6 +63,7 @@ class TransformerConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = True
     initializer_range: float = 0.02
 
     def __post_init__(self):

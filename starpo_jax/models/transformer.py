@@ -12,11 +12,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from runtime.sharding import constrain
 from starpo_jax.models import kv_cache
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import KVCache
 from starpo_jax.models.lora import Dense, LoRAConfig
 from starpo_jax.models.rope import apply_rope, inverse_frequencies
+
+
+# Logical axes of the residual stream, pinned after the embedding, each layer and the final norm.
+RESIDUAL = ("batch", "length", "act_embed")
 
 
 class RMSNorm(nnx.Module):
@@ -135,25 +140,26 @@ class Decoder(nnx.Module):
         mask = mask.astype(bool)
         lengths = jnp.zeros(tokens.shape[:1], jnp.int32) if cache is None else cache.lengths
         positions = kv_cache.segment_positions(mask, lengths)
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.compute_dtype)
+        x = constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.compute_dtype), RESIDUAL)
         graphdef, layer_state = nnx.split(self.layers)
         if cache is None:
             def body(h, state):
-                return nnx.merge(graphdef, state)(h, positions, mask)[0], None
+                return constrain(nnx.merge(graphdef, state)(h, positions, mask)[0], RESIDUAL), None
             xs = layer_state
         else:
             new_lengths = lengths + jnp.sum(mask, axis=-1, dtype=jnp.int32)
 
             def body(h, inputs):
                 state, cache_k, cache_v = inputs
-                return nnx.merge(graphdef, state)(h, positions, mask, (cache_k, cache_v, new_lengths))
+                h, new_kv = nnx.merge(graphdef, state)(h, positions, mask, (cache_k, cache_v, new_lengths))
+                return constrain(h, RESIDUAL), new_kv
             xs = (layer_state, cache.keys, cache.values)
         if self.config.remat:
             body = jax.checkpoint(body)
-        x, new_kv = jax.lax.scan(body, x, xs)
+        x, new_kv = jax.lax.scan(body, x, xs, unroll=1 if self.config.scan_layers else True)
         if cache is not None:
             cache = KVCache(new_kv[0], new_kv[1], new_lengths)
-        return self.norm(x), cache
+        return constrain(self.norm(x), RESIDUAL), cache
 
 
 class CausalLM(nnx.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -19,10 +20,20 @@ CONSOLE = Console(stderr=True)
 
 
 def setup_terminal(level: int = logging.WARNING) -> None:
-    """Routes the root logger and ``warnings.warn`` through ``CONSOLE``; silences advisory banners."""
+    """Routes the root logger and ``warnings.warn`` through ``CONSOLE``; silences advisory banners.
+
+    On a terminal records go through rich (above the live bars); otherwise (a SLURM log, a pipe) each record
+    is one plain, unwrapped line on stderr, so log files can be searched for it.
+    """
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     root = logging.getLogger()
-    if not any(isinstance(handler, RichHandler) for handler in root.handlers):
-        root.addHandler(RichHandler(console=CONSOLE, show_path=False, log_time_format="[%X]"))
+    if not any(getattr(handler, "setup_terminal", False) for handler in root.handlers):
+        if CONSOLE.is_terminal:
+            handler = RichHandler(console=CONSOLE, show_path=False, log_time_format="[%X]")
+        else:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(message)s", "%H:%M:%S"))
+        handler.setup_terminal = True
+        root.addHandler(handler)
     root.setLevel(level)
     logging.captureWarnings(True)

@@ -79,13 +79,18 @@ def token_log_probs(logits: jax.Array, input_ids: jax.Array, temperature: float)
 
 def model_token_log_probs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, temperature: float,
                           chunk: int = LOG_PROB_CHUNK) -> tuple[jax.Array, jax.Array]:
-    """``token_log_probs(model(input_ids, attention_mask)[0], ...)`` without the ``[B, L, vocab]`` float32 logits.
+    """``token_log_probs(model(input_ids, attention_mask)[0], ...)`` without the ``[B, L, vocab]`` float32 logits."""
+    hidden, _ = model.model(input_ids, attention_mask)
+    return hidden_log_probs(model, hidden[:, :-1], input_ids[:, 1:], temperature, chunk)
+
+
+def hidden_log_probs(model: nnx.Module, hidden: jax.Array, targets: jax.Array, temperature: float,
+                     chunk: int = LOG_PROB_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """Log-probabilities of ``targets[B, n]`` and entropies under the LM head applied to ``hidden[B, n, E]``.
 
     The LM head and log-softmax run on ``chunk`` positions at a time (``lax.map``), each chunk
     rematerialised in the backward pass, so only ``[B, chunk, vocab]`` logits are ever live.
     """
-    hidden, _ = model.model(input_ids, attention_mask)
-    hidden, targets = hidden[:, :-1], input_ids[:, 1:]
     n = targets.shape[1]
     if n <= chunk:
         return _target_log_probs(model.logits(hidden), targets, temperature)

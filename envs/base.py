@@ -2,11 +2,13 @@
 
 import functools
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from gymnax.environments import environment, spaces
+
+from envs.text_states import build_text_states
 
 
 def step_info(success: jax.Array, action_is_valid: jax.Array, action_is_effective: jax.Array) -> dict:
@@ -78,6 +80,27 @@ class TextEnvironment(environment.Environment):
         type and double value (``0`` vs ``0.0``, ``-0.1 + 1``).
         """
         raise NotImplementedError
+
+    # The fused rollout driver's interface (``starpo_jax.fused_rollout``): an environment type that
+    # implements ``step_reward_values`` runs on device; the others are host-only.
+
+    def step_reward_values(self, params) -> tuple[float, ...]:
+        """Every float32 reward one ``step_env`` can return (the alphabet of the reward-text automaton)."""
+        raise NotImplementedError
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, budget_texts: Sequence[str]):
+        """A pytree whose ``tokens(obs, actions_left) -> (ids, length)`` renders a state on device.
+
+        ``budget_texts[N]`` is the text after the state's newline with ``N`` actions left (index
+        ``0 … max_actions_per_traj``); a renderer with ``folds_budget`` returns it with the state.
+        This default enumerates the distinct reset states (``envs.text_states``), right for an
+        environment whose episode shows only its first state; grid environments return an
+        ``envs.tokens.GridRenderer``.
+        """
+        if len(budget_texts) != max_actions_per_traj + 1:
+            raise ValueError(f"{self.tag}: budget_texts needs {max_actions_per_traj + 1} entries, "
+                             f"got {len(budget_texts)}")
+        return build_text_states(self, tokenizer, params, budget_texts)
 
 
 @functools.lru_cache(maxsize=None)

@@ -76,7 +76,8 @@ def env_config_types(env_type: str) -> dict[str, Any]:
     """The keywords ``env_config`` may set for ``env_type`` (its constructor's), with their annotations."""
     constructor = ENV_TYPES[env_type].__init__
     hints = typing.get_type_hints(constructor)
-    return {name: hints[name] for name in list(inspect.signature(constructor).parameters)[1:]}
+    parameters = list(inspect.signature(constructor).parameters.values())[1:]
+    return {p.name: hints.get(p.name, Any) for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def make(tag: str, custom_envs: Mapping[str, EnvEntry] | None = None, **env_config: Any):

@@ -20,11 +20,11 @@ from typing import Annotated, Literal
 
 import tyro
 
-import envs
-from envs.registry import CUSTOM_ENVS, ENV_TYPES, EnvEntry, env_config_types, runs_on_device
+from envs.registry import CUSTOM_ENVS, EnvEntry, runs_on_device
 from runtime.wandb_logger import LOGGERS, check_loggers
 from starpo_jax.advantages import ADVANTAGE_ESTIMATORS
-from starpo_jax.config_types import check_types, check_value
+from starpo_jax.config_types import check_types
+from starpo_jax.custom_envs import validate_custom_envs
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
 from starpo_jax.losses import CRITIC_LOSSES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
@@ -287,32 +287,6 @@ def _validate_env_groups(groups: EnvGroupsConfig, path: str) -> None:
              f"{path}.env_configs.n_groups must sum to {path}.env_groups={groups.env_groups}, got {n_groups}")
 
 
-def _validate_custom_envs(config: StarPOConfig) -> None:
-    """Every entry's type and ``env_config`` keywords, and that it builds; es_manager names only entries."""
-    for tag, entry in config.custom_envs.items():
-        path = f"custom_envs.{tag}"
-        _require(entry.env_type in ENV_TYPES, f"{path}.env_type must be one of {tuple(ENV_TYPES)}, "
-                                              f"got {entry.env_type!r}")
-        _require(entry.max_actions_per_traj >= 1,
-                 f"{path}.max_actions_per_traj must be >= 1, got {entry.max_actions_per_traj}")
-        _require(entry.max_tokens >= 1, f"{path}.max_tokens must be >= 1, got {entry.max_tokens}")
-        keywords = env_config_types(entry.env_type)
-        for name, value in entry.env_config.items():
-            _require(name in keywords, f"{path}.env_config.{name} is not a keyword of {entry.env_type} "
-                                       f"environments; they take {sorted(keywords)}")
-            check_value(value, keywords[name], f"{path}.env_config.{name}")
-        try:
-            envs.make(tag, config.custom_envs)
-        except ValueError as error:
-            raise ValueError(f"{path}.env_config: {error}") from error
-    for section in ("train", "val"):
-        for tag in getattr(config.es_manager, section).env_configs.tags:
-            _require(tag in config.custom_envs,
-                     f"es_manager.{section}.env_configs.tags names {tag!r}, which custom_envs does not define "
-                     f"(it has {sorted(config.custom_envs)}): add custom_envs.{tag}.env_type=<one of "
-                     f"{', '.join(ENV_TYPES)}>")
-
-
 def _validate_batches(config: StarPOConfig) -> None:
     train = config.es_manager.train
     rollout = config.actor_rollout_ref.rollout
@@ -422,7 +396,7 @@ def validate(config: StarPOConfig) -> StarPOConfig:
     check_loggers(config.trainer.logger)
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
-    _validate_custom_envs(config)
+    validate_custom_envs(config.custom_envs, config.es_manager)
     _validate_batches(config)
     _validate_algorithm(config)
     _validate_rollout(config)

@@ -2,7 +2,9 @@
 
 Every function takes token-aligned ``(batch, length)`` arrays in the reference
 layout of starpo.md §7 (position ``j`` scores token ``j + 1``) and returns
-``(advantages, returns)`` or rewards; all are jittable with static shapes.
+``(advantages, returns)`` or rewards; all are jittable with static shapes. ``ADVANTAGE_ESTIMATORS``
+holds the estimators ``algorithm.adv_estimator`` names, each declaring what it needs (a critic,
+reference log-probs); ``advantage_estimator`` registers a new one.
 """
 
 from __future__ import annotations

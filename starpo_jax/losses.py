@@ -3,7 +3,8 @@
 Inputs are what an actor or critic step holds: ``(B, T)`` log-probs of the trained
 tokens under the current, old (recomputed) and reference policies, advantages,
 the loss mask and per-token entropies. Each loss returns ``(loss, metrics)`` with
-RAGEN/verl's metric names.
+RAGEN/verl's metric names. Policy losses, critic losses, aggregation modes and KL estimators are
+registries (``runtime.registry``) the config names them from.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def aggregate_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str
     return jnp.sum(mode.sequence_loss(loss_mat, loss_mask)) / normalizer
 
 
-POLICY_LOSSES: Registry[Callable[..., "LossOutput"]] = Registry(
+# ``fn(log_probs, old_log_probs, advantages, loss_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+# loss_agg_mode, normalizer) -> LossOutput`` (``decoupled_clip_loss``'s signature), by ``policy_loss.loss_mode``.
+POLICY_LOSSES: Registry[Callable[..., LossOutput]] = Registry(
     "policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
 
 
@@ -174,6 +177,7 @@ def actor_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.A
     return LossOutput(loss, metrics)
 
 
+# ``fn(values, old_values, returns, loss_mask, cliprange_value, loss_agg_mode, normalizer) -> LossOutput``.
 CRITIC_LOSSES: Registry[Callable[..., LossOutput]] = Registry("critic loss", "critic.loss_mode")
 
 

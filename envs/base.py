@@ -2,13 +2,13 @@
 
 import functools
 import math
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 from gymnax.environments import environment, spaces
 
-from envs.text_states import build_text_states
+from envs.text_states import distinct_reset_states
 
 
 def step_info(success: jax.Array, action_is_valid: jax.Array, action_is_effective: jax.Array) -> dict:
@@ -88,19 +88,15 @@ class TextEnvironment(environment.Environment):
         """Every float32 reward one ``step_env`` can return (the alphabet of the reward-text automaton)."""
         raise NotImplementedError
 
-    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, budget_texts: Sequence[str]):
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
         """A pytree whose ``tokens(obs, actions_left) -> (ids, length)`` renders a state on device.
 
-        ``budget_texts[N]`` is the text after the state's newline with ``N`` actions left (index
-        ``0 … max_actions_per_traj``); a renderer with ``folds_budget`` returns it with the state.
-        This default enumerates the distinct reset states (``envs.text_states``), right for an
-        environment whose episode shows only its first state; grid environments return an
-        ``envs.tokens.GridRenderer``.
+        Grid environments return an ``envs.tokens.GridRenderer``. This default returns the
+        ``envs.text_states.StateTexts`` of the distinct reset states, right for an environment whose
+        episode shows only its first state; the driver folds the budget piece into them
+        (``fold_budget``), since their trailing newline may merge with what follows.
         """
-        if len(budget_texts) != max_actions_per_traj + 1:
-            raise ValueError(f"{self.tag}: budget_texts needs {max_actions_per_traj + 1} entries, "
-                             f"got {len(budget_texts)}")
-        return build_text_states(self, tokenizer, params, budget_texts)
+        return distinct_reset_states(self, params)
 
 
 @functools.lru_cache(maxsize=None)

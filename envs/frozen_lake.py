@@ -139,7 +139,7 @@ class FrozenLake(TextEnvironment):
     def step_reward_values(self, params) -> tuple[float, ...]:
         return (0.0, 1.0)
 
-    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, budget_texts) -> GridRenderer:
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int) -> GridRenderer:
         return build_grid_renderer(self, tokenizer)
 
     def reward_value(self, reward: float, params=None) -> float:

@@ -197,7 +197,7 @@ class Sokoban(TextEnvironment):
                      for box in (0.0, params.reward_box_on_target, params.penalty_box_off_target)
                      for finish in (0.0, params.reward_finished))
 
-    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, budget_texts) -> GridRenderer:
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int) -> GridRenderer:
         return build_grid_renderer(self, tokenizer)
 
     def reward_value(self, reward: float, params=None):

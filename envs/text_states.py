@@ -1,10 +1,10 @@
 """Token tables of a gridless environment's states (Bandit's rules), looked up by observation.
 
 The fused rollout driver renders states on device through ``TextEnvironment.state_renderer``;
-a grid environment returns an ``envs.tokens.GridRenderer``, any other one this table of its
-distinct reset states. A text state ends in a newline that some pre-tokenizers join to the next
-``"\\n"`` and others do not, so each entry holds the state together with the ``You have N
-actions…`` piece that follows it (``folds_budget``).
+a grid environment returns an ``envs.tokens.GridRenderer``, the default is the ``StateTexts`` of
+its distinct reset states. A text state ends in a newline that some pre-tokenizers join to the
+next ``"\\n"`` and others do not, so the driver folds the ``You have N actions…`` piece that
+follows into each entry (``StateTexts.fold_budget`` → ``TextStates``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ class TextStates(NamedTuple):
     obs: jax.Array  # [n, *obs_shape]
     text: Piece
 
-    folds_budget = True
-
     def tokens(self, obs: jax.Array, actions_left: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Ids and length of the state whose observation is ``obs``, with its ``actions_left`` piece."""
         flat = self.obs.reshape(self.obs.shape[0], -1)
@@ -56,8 +54,25 @@ class TextStates(NamedTuple):
         return self.text.ids[row], self.text.lengths[row]
 
 
-def build_text_states(env: Any, tokenizer: Any, params: Any, budget_texts: Sequence[str]) -> TextStates:
-    """Every distinct state of ``NUM_TABLE_RESETS`` resets, encoded with each of ``budget_texts``.
+class StateTexts(NamedTuple):
+    """Every distinct reset state of a gridless environment, before the budget pieces are known.
+
+    ``TextEnvironment.state_renderer``'s default; the fused driver calls ``fold_budget`` with the
+    text that follows a state for each number of actions left.
+    """
+
+    obs: np.ndarray  # [n, *obs_shape]
+    texts: tuple[str, ...]
+
+    def fold_budget(self, tokenizer: Any, budget_texts: Sequence[str]) -> TextStates:
+        """The ``TextStates`` of these states, each encoded with ``"\n"`` and each of ``budget_texts``."""
+        encoded = tokenizer([text + "\n" + after for text in self.texts for after in budget_texts],
+                            add_special_tokens=False)["input_ids"]
+        return TextStates(jnp.asarray(self.obs), make_piece([list(r) for r in encoded]))
+
+
+def distinct_reset_states(env: Any, params: Any) -> StateTexts:
+    """The distinct states of ``NUM_TABLE_RESETS`` resets (by text), in order of first appearance.
 
     A step always ends Bandit, so no later state is ever shown; an environment whose steps show
     new states needs a renderer of its own.
@@ -65,6 +80,4 @@ def build_text_states(env: Any, tokenizer: Any, params: Any, budget_texts: Seque
     states, obs = reset_states(env, params, NUM_TABLE_RESETS)
     texts = [env.render_text(s) for s in states]
     rows = sorted({text: i for i, text in reversed(list(enumerate(texts)))}.values())
-    encoded = tokenizer([texts[i] + "\n" + after for i in rows for after in budget_texts],
-                        add_special_tokens=False)["input_ids"]
-    return TextStates(jnp.asarray(obs[rows]), make_piece([list(r) for r in encoded]))
+    return StateTexts(obs[rows], tuple(texts[i] for i in rows))

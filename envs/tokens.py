@@ -49,8 +49,6 @@ class GridRenderer(NamedTuple):
     num_symbols: int
     walled: bool  # rows are "wall + interior + wall": only the interior is looked up
 
-    folds_budget = False  # the "You have N actions left" piece follows as its own piece
-
     def tokens(self, obs: jax.Array, actions_left: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The state renderer interface (``TextEnvironment.state_renderer``): ``render_tokens`` of ``obs``."""
         return render_tokens(self, obs)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs.text import env_prefix, reward_text
-from envs.text_states import NUM_TABLE_RESETS, Piece, make_piece, reset_states
+from envs.text_states import Piece, make_piece, reset_states
 from envs.tokens import build_response_parser
 from starpo_jax.env_manager import Slot
 from starpo_jax.rollout import RolloutSettings, turn_continuation
@@ -135,15 +135,17 @@ def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params
     head = parts(2, budget)[0]
     turns = [""] * 2 + [parts(k, budget)[1] for k in range(2, max(settings.max_turn, 2) + 1)]
     afters = [parts(2, n)[2] for n in range(budget + 1)]
-    renderer = env.state_renderer(tokenizer, params, budget, afters)
-    if renderer.folds_budget:  # its states carry the budget piece; check every state its table may hold
+    renderer = env.state_renderer(tokenizer, params, budget)
+    if hasattr(renderer, "fold_budget"):  # StateTexts: every state it holds, each carrying the budget piece
+        obs, state_texts = renderer.obs, list(renderer.texts)
+        renderer = renderer.fold_budget(tokenizer, afters)
         afters = [""] * len(afters)
-        states, obs = reset_states(env, params, NUM_TABLE_RESETS)
-    texts = [env.render_text(state) for state in states]
-    rows = sorted({text: i for i, text in reversed(list(enumerate(texts)))}.values())
-    state_texts = [texts[i] for i in rows]
+    else:
+        texts = [env.render_text(state) for state in states]
+        rows = sorted({text: i for i, text in reversed(list(enumerate(texts)))}.values())
+        obs, state_texts = obs[rows], [texts[i] for i in rows]
     tokens = jax.jit(jax.vmap(jax.vmap(renderer.tokens, (0, None)), (None, 0)))
-    ids, lengths = (np.asarray(x) for x in tokens(jnp.asarray(obs[rows]), jnp.arange(budget + 1)))
+    ids, lengths = (np.asarray(x) for x in tokens(jnp.asarray(obs), jnp.arange(budget + 1)))
     state_piece = lambda s, n: [int(t) for t in ids[n, s, :lengths[n, s]]]
     tables = EnvTables(env, params, build_response_parser(tokenizer, env.action_names, settings.enable_think,
                                                           settings.max_actions_per_turn),

@@ -148,8 +148,9 @@ def iteration(registered, tmp_path_factory):
     group_ids = np.repeat(np.arange(GROUPS), GROUP_SIZE)
     CALLS.clear()
     with jax.set_mesh(mesh):
-        out = fused_rollout(program, shard_state(params, mesh), tokenizer, 100 + group_ids, group_ids,
-                            jax.random.key(3))
+        # One seed per row (every reset state is the same): the tosses, hence the scores, vary within a group.
+        out = fused_rollout(program, shard_state(params, mesh), tokenizer, 100 + np.arange(len(group_ids)),
+                            group_ids, jax.random.key(3))
         learner, actor, _, _ = build_learner(config, nnx.merge(graphdef, params), None, mesh,
                                              num_micro_batches(config, mesh))
         _, _, metrics = update(actor, None, learner, out.trajectory, config)

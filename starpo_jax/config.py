@@ -4,9 +4,11 @@ The tree mirrors RAGEN's Hydra config (``base.yaml`` + verl's ``ppo_trainer.yaml
 RAGEN override such as ``actor_rollout_ref.actor.clip_ratio_high=0.2`` means the same thing
 here. Defaults are StarPO-S (PPO with critic, top 25% of groups by reward std, clip
 0.2 / 0.28, no KL) with the choices of starpo.md §22. Every config is a frozen dataclass; ``validate``
-checks types and cross-field rules, naming the field, before anything compiles.
-``starpo_jax.presets`` composes the named algorithms from RAGEN-style ``key=value`` overrides
-(parsed by ``runtime.config``; booleans take explicit values, ``use_kl_loss=True``, as in Hydra).
+checks types and cross-field rules, naming the field, before anything compiles. Names of registered
+parts (advantage estimator, policy and critic loss, aggregation mode, KL estimator, score normaliser,
+rollout filter) are checked against their registries, so a newly registered name is accepted.
+``starpo_jax.presets`` composes the named algorithms from typed presets; user overrides are RAGEN-style
+``key=value`` (parsed by ``runtime.config``; booleans take explicit values, ``use_kl_loss=True``, as in Hydra).
 ``custom_envs`` is RAGEN's environment registry (``config/envs.yaml``, ``envs.registry``); its
 overrides, new tags included, are read by ``starpo_jax.custom_envs``.
 """

@@ -102,6 +102,9 @@ class Bandit(TextEnvironment):
         reward = self.reward_value(float(state.last_reward), params)
         return f"{self.action_names[int(state.last_action)]}: {reward} points"
 
+    def step_reward_values(self, params: BanditParams) -> tuple[float, ...]:
+        return (params.lo_arm_score, params.hi_arm_loscore, params.hi_arm_hiscore)
+
     def reward_value(self, reward: float, params: BanditParams | None = None) -> float:
         """The configured Python float nearest to the float32 reward (``0.1``, ``1.0``, ``0.0``)."""
         params = params or self.default_params

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from gymnax.environments import environment, spaces
 
+from envs.text_states import distinct_reset_states
+
 
 def step_info(success: jax.Array, action_is_valid: jax.Array, action_is_effective: jax.Array) -> dict:
     """The ``info`` RAGEN's environment state manager reads after every action."""
@@ -78,6 +80,23 @@ class TextEnvironment(environment.Environment):
         type and double value (``0`` vs ``0.0``, ``-0.1 + 1``).
         """
         raise NotImplementedError
+
+    # The fused rollout driver's interface (``starpo_jax.fused_rollout``): an environment type that
+    # implements ``step_reward_values`` runs on device; the others are host-only.
+
+    def step_reward_values(self, params) -> tuple[float, ...]:
+        """Every float32 reward one ``step_env`` can return (the alphabet of the reward-text automaton)."""
+        raise NotImplementedError
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
+        """A pytree whose ``tokens(obs, actions_left) -> (ids, length)`` renders a state on device.
+
+        Grid environments return an ``envs.tokens.GridRenderer``. This default returns the
+        ``envs.text_states.StateTexts`` of the distinct reset states, right for an environment whose
+        episode shows only its first state; the driver folds the budget piece into them
+        (``fold_budget``), since their trailing newline may merge with what follows.
+        """
+        return distinct_reset_states(self, params)
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,6 +6,7 @@ from flax import struct
 from gymnax.environments import spaces
 
 from envs.base import TextEnvironment, check_positive_int, render_grid, step_info
+from envs.tokens import GridRenderer, build_grid_renderer
 
 FROZEN_LAKE_INSTRUCTION = (
     "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to the "
@@ -134,6 +135,12 @@ class FrozenLake(TextEnvironment):
 
     def render_text(self, state: FrozenLakeState) -> str:
         return render_grid(self.observe(state), self.grid_lookup)
+
+    def step_reward_values(self, params) -> tuple[float, ...]:
+        return (0.0, 1.0)
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int) -> GridRenderer:
+        return build_grid_renderer(self, tokenizer)
 
     def reward_value(self, reward: float, params=None) -> float:
         """gymnasium returns ``float(tile == b"G")``: ``1.0`` or ``0.0``."""

@@ -16,12 +16,22 @@ import typing
 from typing import Any, Mapping
 
 from envs.bandit import Bandit
+from envs.base import TextEnvironment
 from envs.countdown import Countdown
 from envs.frozen_lake import FrozenLake
 from envs.sokoban import DIFFERENT_GRID_LOOKUP, Sokoban
+from runtime.registry import Registry
 
-# RAGEN's ``env_type`` names.
-ENV_TYPES: dict[str, type] = {"bandit": Bandit, "sokoban": Sokoban, "frozen_lake": FrozenLake, "countdown": Countdown}
+# RAGEN's ``env_type`` names; ``ENV_TYPES.register("name", cls)`` adds a type (``custom_envs.<Tag>.env_type``).
+ENV_TYPES: Registry[type] = Registry("environment type", "custom_envs.<tag>.env_type")
+for _name, _cls in (("bandit", Bandit), ("sokoban", Sokoban), ("frozen_lake", FrozenLake), ("countdown", Countdown)):
+    ENV_TYPES.register(_name, _cls)
+
+
+def runs_on_device(env_type: str) -> bool:
+    """Whether ``env_type`` implements the fused driver's interface (``TextEnvironment.step_reward_values``)."""
+    method = getattr(ENV_TYPES[env_type], "step_reward_values", TextEnvironment.step_reward_values)
+    return method is not TextEnvironment.step_reward_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +39,7 @@ class EnvEntry:
     """One ``custom_envs.<Tag>`` entry.
 
     Attributes:
-      env_type: a key of ``ENV_TYPES``.
+      env_type: a name registered in ``ENV_TYPES``.
       max_actions_per_traj: the actions one trajectory may execute; the prompt announces it.
       env_instruction: the text that opens the first user message.
       max_tokens: the "Max response length: {max_tokens} words" of every state block (generation
@@ -66,7 +76,8 @@ def env_config_types(env_type: str) -> dict[str, Any]:
     """The keywords ``env_config`` may set for ``env_type`` (its constructor's), with their annotations."""
     constructor = ENV_TYPES[env_type].__init__
     hints = typing.get_type_hints(constructor)
-    return {name: hints[name] for name in list(inspect.signature(constructor).parameters)[1:]}
+    parameters = list(inspect.signature(constructor).parameters.values())[1:]
+    return {p.name: hints.get(p.name, Any) for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def make(tag: str, custom_envs: Mapping[str, EnvEntry] | None = None, **env_config: Any):

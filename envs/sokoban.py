@@ -10,6 +10,7 @@ from gymnax.environments import spaces
 from envs.base import TextEnvironment, check_positive_int, render_grid, step_info
 from envs.sokoban_generation import BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, TARGET, GeneratorConfig, generate_level
 from envs.sokoban_reverse_play import reverse_play_level
+from envs.tokens import GridRenderer, build_grid_renderer
 
 PLAYER_ON_TARGET = 6  # render-only code
 GENERATORS = ("reverse_play", "pull_walk")
@@ -190,6 +191,14 @@ class Sokoban(TextEnvironment):
 
     def render_text(self, state: SokobanState) -> str:
         return render_grid(self.observe(state), self.grid_lookup)
+
+    def step_reward_values(self, params) -> tuple[float, ...]:
+        return tuple(params.penalty_for_step + box + finish
+                     for box in (0.0, params.reward_box_on_target, params.penalty_box_off_target)
+                     for finish in (0.0, params.reward_finished))
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int) -> GridRenderer:
+        return build_grid_renderer(self, tokenizer)
 
     def reward_value(self, reward: float, params=None):
         """Rebuilds gym-sokoban's double: ``-0.1``, then ``+ 1`` or ``+ -1``, then ``+ 10``."""

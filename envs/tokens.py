@@ -49,6 +49,10 @@ class GridRenderer(NamedTuple):
     num_symbols: int
     walled: bool  # rows are "wall + interior + wall": only the interior is looked up
 
+    def tokens(self, obs: jax.Array, actions_left: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The state renderer interface (``TextEnvironment.state_renderer``): ``render_tokens`` of ``obs``."""
+        return render_tokens(self, obs)
+
 
 def _row_texts(symbols: Sequence[str], width: int, walled: bool) -> list[str]:
     inner = width - 2 if walled else width

@@ -38,6 +38,7 @@ from PIL import Image
 from launch.tdd_loop import distil_loop
 from runtime.checkpoint import Checkpointer
 from runtime.config import parse_config
+from runtime.preset import build_config
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.run_folder import RunFolder, check_output
 from tdd_jax.adversarial import (NON_FINITE_KEYS, AdversarialConfig, AdversarialState, compile_adversarial_step,
@@ -436,14 +437,14 @@ def main(argv: Sequence[str] | None = None):
         parser = argparse.ArgumentParser(prog="launch.tdd demo")
         parser.add_argument("--preset", default="default", choices=sorted(DEMO_PRESETS))
         args, overrides = parser.parse_known_args(argv)
-        return run_demo(parse_config(DemoConfig, DEMO_PRESETS[args.preset], overrides))
+        return run_demo(build_config(DemoConfig, DEMO_PRESETS[args.preset], overrides))
     if command == "distil":
         parser = argparse.ArgumentParser(prog="launch.tdd distil")
         parser.add_argument("--preset", default="sdxl", choices=sorted(DISTIL_PRESETS))
         parser.add_argument("--allow-change", default="", metavar="KEYS",
                             help="comma-separated config keys that may differ from the run's recorded config on resume")
         args, overrides = parser.parse_known_args(argv)
-        return distil(parse_config(DistilRunConfig, DISTIL_PRESETS[args.preset], overrides),
+        return distil(build_config(DistilRunConfig, DISTIL_PRESETS[args.preset], overrides),
                       [key for key in args.allow_change.split(",") if key])
     if command == "sample":
         return sample(parse_config(SampleConfig, SampleConfig(), argv))

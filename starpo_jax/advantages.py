@@ -2,16 +2,19 @@
 
 Every function takes token-aligned ``(batch, length)`` arrays in the reference
 layout of starpo.md §7 (position ``j`` scores token ``j + 1``) and returns
-``(advantages, returns)`` or rewards; all are jittable with static shapes.
+``(advantages, returns)`` or rewards; all are jittable with static shapes. ``ADVANTAGE_ESTIMATORS``
+holds the estimators ``algorithm.adv_estimator`` names, each declaring what it needs (a critic,
+reference log-probs); ``advantage_estimator`` registers a new one.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from runtime.registry import Registry
 from starpo_jax.losses import kl_penalty
 from starpo_jax.masked import masked_mean, masked_whiten
 
@@ -151,27 +154,67 @@ def apply_kl_penalty(token_level_scores: jax.Array, old_log_probs: jax.Array, re
     return KLRewardOutput(rewards, metrics)
 
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo")
+class AdvantageInputs(NamedTuple):
+    """What every advantage estimator receives: the token rewards and the batch around them.
 
-
-def compute_advantage(adv_estimator: str, token_level_rewards: jax.Array, values: jax.Array | None,
-                      loss_mask: jax.Array, *, gamma: float = 1.0, lam: float = 1.0, bi_level_gae: bool = False,
-                      high_level_gamma: float = 0.95, grpo_length_weight: bool = False) -> AdvantageReturn:
-    """Advantages as RAGEN's ``compute_advantage`` picks them from ``algorithm.*`` (starpo.md §8, §9 step 9).
-
-    ``gae`` runs token-level GAE, or bi-level GAE with ``bi_level_gae``; ``grpo`` broadcasts the
-    normalised score, divided by the relative length with ``grpo_length_weight``.
+    Rows are the filtered batch, group-major: ``group_ids[i]`` is row ``i``'s initial-state group.
+    ``values`` is ``None`` unless the estimator declares ``needs_critic``.
     """
-    if adv_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {adv_estimator!r}")
-    if adv_estimator == "grpo":
-        out = compute_grpo_outcome_advantage(token_level_rewards, loss_mask)
-        if grpo_length_weight:
-            out = out._replace(advantages=weight_advantages_by_length(out.advantages, loss_mask))
-        return out
-    if values is None:
+
+    token_level_rewards: jax.Array
+    values: jax.Array | None
+    loss_mask: jax.Array
+    group_ids: jax.Array
+    old_log_probs: jax.Array
+    ref_log_probs: jax.Array
+
+
+class AdvantageEstimator(NamedTuple):
+    """A registered estimator: ``fn(inputs, config) -> AdvantageReturn`` and what it needs.
+
+    ``config`` is the whole ``StarPOConfig`` (an estimator reads its own keys). ``needs_critic``
+    makes the run build and train a critic; ``needs_ref_log_probs`` runs the reference policy.
+    """
+
+    fn: Callable[[AdvantageInputs, Any], AdvantageReturn]
+    needs_critic: bool = False
+    needs_ref_log_probs: bool = False
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
+
+
+def advantage_estimator(name: str, *, needs_critic: bool = False, needs_ref_log_probs: bool = False):
+    """Decorator registering ``fn(inputs: AdvantageInputs, config) -> AdvantageReturn`` under ``name``."""
+    def register(fn):
+        ADVANTAGE_ESTIMATORS.register(name, AdvantageEstimator(fn, needs_critic, needs_ref_log_probs))
+        return fn
+
+    return register
+
+
+@advantage_estimator("gae", needs_critic=True)
+def gae_advantages(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:
+    """Token-level GAE, or bi-level GAE with ``algorithm.bi_level_gae`` (starpo.md §8.1, §8.3)."""
+    algorithm = config.algorithm
+    if inputs.values is None:
         raise ValueError("values (critic) are required for algorithm.adv_estimator=gae")
-    if bi_level_gae:
-        return compute_bi_level_gae_advantage_return(token_level_rewards, values, loss_mask, gamma, lam,
-                                                     high_level_gamma)
-    return compute_gae_advantage_return(token_level_rewards, values, loss_mask, gamma, lam)
+    if algorithm.bi_level_gae:
+        return compute_bi_level_gae_advantage_return(inputs.token_level_rewards, inputs.values, inputs.loss_mask,
+                                                     algorithm.gamma, algorithm.lam, algorithm.high_level_gamma)
+    return compute_gae_advantage_return(inputs.token_level_rewards, inputs.values, inputs.loss_mask,
+                                        algorithm.gamma, algorithm.lam)
+
+
+@advantage_estimator("grpo")
+def grpo_advantages(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:
+    """The normalised score broadcast, divided by the relative length with ``grpo_advantage_length_weight``."""
+    out = compute_grpo_outcome_advantage(inputs.token_level_rewards, inputs.loss_mask)
+    if config.grpo_advantage_length_weight:
+        out = out._replace(advantages=weight_advantages_by_length(out.advantages, inputs.loss_mask))
+    return out
+
+
+def compute_advantage(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:
+    """Advantages of the registered ``config.algorithm.adv_estimator`` (RAGEN ``compute_advantage``, §9 step 9)."""
+    return ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator).fn(inputs, config)

@@ -4,9 +4,11 @@ The tree mirrors RAGEN's Hydra config (``base.yaml`` + verl's ``ppo_trainer.yaml
 RAGEN override such as ``actor_rollout_ref.actor.clip_ratio_high=0.2`` means the same thing
 here. Defaults are StarPO-S (PPO with critic, top 25% of groups by reward std, clip
 0.2 / 0.28, no KL) with the choices of starpo.md §22. Every config is a frozen dataclass; ``validate``
-checks types and cross-field rules, naming the field, before anything compiles.
-``starpo_jax.presets`` composes the named algorithms from RAGEN-style ``key=value`` overrides
-(parsed by ``runtime.config``; booleans take explicit values, ``use_kl_loss=True``, as in Hydra).
+checks types and cross-field rules, naming the field, before anything compiles. Names of registered
+parts (advantage estimator, policy and critic loss, aggregation mode, KL estimator, score normaliser,
+rollout filter) are checked against their registries, so a newly registered name is accepted.
+``starpo_jax.presets`` composes the named algorithms from typed presets; user overrides are RAGEN-style
+``key=value`` (parsed by ``runtime.config``; booleans take explicit values, ``use_kl_loss=True``, as in Hydra).
 ``custom_envs`` is RAGEN's environment registry (``config/envs.yaml``, ``envs.registry``); its
 overrides, new tags included, are read by ``starpo_jax.custom_envs``.
 """
@@ -14,20 +16,19 @@ overrides, new tags included, are read by ``starpo_jax.custom_envs``.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import tyro
 
-import envs
-from envs.base import TextEnvironment
-from envs.registry import CUSTOM_ENVS, ENV_TYPES, EnvEntry, env_config_types
+from envs.registry import CUSTOM_ENVS, EnvEntry, runs_on_device
 from runtime.wandb_logger import LOGGERS, check_loggers
+from starpo_jax.advantages import ADVANTAGE_ESTIMATORS
+from starpo_jax.config_types import check_types
+from starpo_jax.custom_envs import validate_custom_envs
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
-from starpo_jax.losses import KL_ESTIMATORS, LOSS_AGG_MODES
+from starpo_jax.losses import CRITIC_LOSSES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
 
 
@@ -60,6 +61,13 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class PolicyLossConfig:
+    """verl's ``actor.policy_loss``: ``loss_mode`` names a ``starpo_jax.losses.POLICY_LOSSES`` entry."""
+
+    loss_mode: str = "vanilla"
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """``actor_rollout_ref.actor``; ``None`` batch sizes follow the top-level keys."""
 
@@ -71,11 +79,12 @@ class ActorConfig:
     entropy_coeff: float = 0.001
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: Literal[KL_ESTIMATORS] = "kl"
+    kl_loss_type: str = "kl"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: float | None = 3.0
-    loss_agg_mode: Literal[LOSS_AGG_MODES] = "seq-mean-token-mean"
+    loss_agg_mode: str = "seq-mean-token-mean"
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
     grad_clip: float = 1.0
     optim: OptimConfig = OptimConfig(lr=1e-6)
 
@@ -98,7 +107,7 @@ class RolloutConfig:
     response_length: int = 400
     max_model_len: int = 3600
     rollout_filter_ratio: float = 0.25
-    rollout_filter_type: Literal[FILTER_TYPES] = "std"
+    rollout_filter_type: str = "std"
     rollout_filter_drop_zero_std: bool = False
     val_kwargs: ValKwargs = ValKwargs()
 
@@ -129,7 +138,8 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int | None = None
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
-    loss_agg_mode: Literal[LOSS_AGG_MODES] = "seq-mean-token-mean"
+    loss_agg_mode: str = "seq-mean-token-mean"
+    loss_mode: str = "clipped"  # a starpo_jax.losses.CRITIC_LOSSES entry
     grad_clip: float = 1.0
     optim: OptimConfig = OptimConfig(lr=1e-5)
 
@@ -146,10 +156,10 @@ class AlgorithmConfig:
 
     gamma: float = 1.0
     lam: float = 1.0
-    adv_estimator: Literal["gae", "grpo"] = "gae"
+    adv_estimator: str = "gae"  # a starpo_jax.advantages.ADVANTAGE_ESTIMATORS entry
     high_level_gamma: float = 0.95
     bi_level_gae: bool = False
-    kl_penalty: Literal[KL_ESTIMATORS] = "kl"
+    kl_penalty: str = "kl"
     kl_ctrl: KlCtrlConfig = KlCtrlConfig()
     use_kl_in_reward: bool = False
 
@@ -173,7 +183,7 @@ class TrainerConfig:
 @dataclass(frozen=True)
 class RewardNormalizationConfig:
     grouping: Literal[GROUPINGS] = "state"
-    method: Literal[NORMALIZATION_METHODS] = "identity"
+    method: str = "identity"
 
 
 @dataclass(frozen=True)
@@ -239,8 +249,8 @@ class StarPOConfig:
 
     @property
     def use_critic(self) -> bool:
-        """A critic is trained only for GAE, as in the reference."""
-        return self.algorithm.adv_estimator == "gae"
+        """Whether the advantage estimator declares that it needs a critic (GAE does, GRPO does not)."""
+        return ADVANTAGE_ESTIMATORS.get(self.algorithm.adv_estimator).needs_critic
 
     @property
     def needs_ref_log_prob(self) -> bool:
@@ -248,56 +258,8 @@ class StarPOConfig:
         actor, algorithm = self.actor_rollout_ref.actor, self.algorithm
         kl_loss = actor.use_kl_loss and actor.kl_loss_coef > 0
         kl_reward = algorithm.use_kl_in_reward and algorithm.kl_ctrl.kl_coef > 0
-        return actor.use_ref and (kl_loss or kl_reward or self.actor_rollout_ref.ref.force_ref_log_prob)
-
-
-def _field_types(cls) -> dict[str, Any]:
-    """Resolved annotations of a config dataclass, by field name."""
-    return typing.get_type_hints(cls)
-
-
-def _is_optional(annotation) -> bool:
-    """Whether ``annotation`` is ``X | None``."""
-    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    return is_union and type(None) in typing.get_args(annotation)
-
-
-def _check_value(value: Any, annotation, path: str) -> None:
-    """Raises naming ``path`` unless ``value`` fits ``annotation`` (an int is accepted for a float)."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation is Any:
-        return
-    if dataclasses.is_dataclass(annotation):
-        if not isinstance(value, annotation):
-            raise TypeError(f"{path} must be a {annotation.__name__} section, got {value!r}")
-        _check_types(value, path + ".")
-    elif _is_optional(annotation):
-        if value is not None:
-            _check_value(value, next(a for a in args if a is not type(None)), path)
-    elif origin is Literal:
-        if value not in args:
-            raise ValueError(f"{path} must be one of {args}, got {value!r}")
-    elif origin is tuple:
-        if not isinstance(value, tuple):
-            raise TypeError(f"{path} must be a tuple, got {value!r}")
-        item_types = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
-        if len(item_types) != len(value):
-            raise ValueError(f"{path} must have {len(item_types)} entries, got {value!r}")
-        for i, (item, item_type) in enumerate(zip(value, item_types)):
-            _check_value(item, item_type, f"{path}[{i}]")
-    elif origin is Mapping:
-        if not isinstance(value, Mapping):
-            raise TypeError(f"{path} must be a mapping, got {value!r}")
-        for key, item in value.items():
-            _check_value(key, args[0], f"{path} key {key!r}")
-            _check_value(item, args[1], f"{path}.{key}")
-    elif not (type(value) is annotation or (annotation is float and type(value) is int)):
-        raise TypeError(f"{path} must be {getattr(annotation, '__name__', annotation)}, got {value!r}")
-
-
-def _check_types(config, prefix: str = "") -> None:
-    for name, annotation in _field_types(type(config)).items():
-        _check_value(getattr(config, name), annotation, prefix + name)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.adv_estimator).needs_ref_log_probs
+        return actor.use_ref and (kl_loss or kl_reward or estimator or self.actor_rollout_ref.ref.force_ref_log_prob)
 
 
 def resolve(config: StarPOConfig) -> StarPOConfig:
@@ -327,32 +289,6 @@ def _validate_env_groups(groups: EnvGroupsConfig, path: str) -> None:
              f"{path}.env_configs.n_groups must sum to {path}.env_groups={groups.env_groups}, got {n_groups}")
 
 
-def _validate_custom_envs(config: StarPOConfig) -> None:
-    """Every entry's type and ``env_config`` keywords, and that it builds; es_manager names only entries."""
-    for tag, entry in config.custom_envs.items():
-        path = f"custom_envs.{tag}"
-        _require(entry.env_type in ENV_TYPES, f"{path}.env_type must be one of {tuple(ENV_TYPES)}, "
-                                              f"got {entry.env_type!r}")
-        _require(entry.max_actions_per_traj >= 1,
-                 f"{path}.max_actions_per_traj must be >= 1, got {entry.max_actions_per_traj}")
-        _require(entry.max_tokens >= 1, f"{path}.max_tokens must be >= 1, got {entry.max_tokens}")
-        keywords = env_config_types(entry.env_type)
-        for name, value in entry.env_config.items():
-            _require(name in keywords, f"{path}.env_config.{name} is not a keyword of {entry.env_type} "
-                                       f"environments; they take {sorted(keywords)}")
-            _check_value(value, keywords[name], f"{path}.env_config.{name}")
-        try:
-            envs.make(tag, config.custom_envs)
-        except ValueError as error:
-            raise ValueError(f"{path}.env_config: {error}") from error
-    for section in ("train", "val"):
-        for tag in getattr(config.es_manager, section).env_configs.tags:
-            _require(tag in config.custom_envs,
-                     f"es_manager.{section}.env_configs.tags names {tag!r}, which custom_envs does not define "
-                     f"(it has {sorted(config.custom_envs)}): add custom_envs.{tag}.env_type=<one of "
-                     f"{', '.join(ENV_TYPES)}>")
-
-
 def _validate_batches(config: StarPOConfig) -> None:
     train = config.es_manager.train
     rollout = config.actor_rollout_ref.rollout
@@ -377,6 +313,24 @@ def _validate_batches(config: StarPOConfig) -> None:
         _require(section.grad_clip > 0, f"{path}.grad_clip must be > 0, got {section.grad_clip}")
         _require(section.optim.lr > 0, f"{path}.optim.lr must be > 0, got {section.optim.lr}")
         _require(section.optim.weight_decay >= 0, f"{path}.optim.weight_decay must be >= 0")
+
+
+def _validate_names(config: StarPOConfig) -> None:
+    """Every name of a registered part is registered; the error names the key and the registered names."""
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    for registry, key, name in (
+            (ADVANTAGE_ESTIMATORS, "algorithm.adv_estimator", algorithm.adv_estimator),
+            (KL_ESTIMATORS, "algorithm.kl_penalty", algorithm.kl_penalty),
+            (KL_ESTIMATORS, "actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
+            (LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
+            (LOSS_AGG_MODES, "critic.loss_agg_mode", config.critic.loss_agg_mode),
+            (POLICY_LOSSES, "actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode),
+            (CRITIC_LOSSES, "critic.loss_mode", config.critic.loss_mode),
+            (FILTER_TYPES, "actor_rollout_ref.rollout.rollout_filter_type",
+             config.actor_rollout_ref.rollout.rollout_filter_type),
+            (NORMALIZATION_METHODS, "agent_proxy.reward_normalization.method",
+             config.agent_proxy.reward_normalization.method)):
+        registry.check(name, key)
 
 
 def _validate_algorithm(config: StarPOConfig) -> None:
@@ -416,7 +370,7 @@ def _validate_rollout(config: StarPOConfig) -> None:
              f"agent_proxy.max_context_window must be -1 or >= 1, got {proxy.max_context_window}")
     if proxy.rollout_driver == "fused":
         tags = config.es_manager.train.env_configs.tags + config.es_manager.val.env_configs.tags
-        host_only = [t for t in tags if not issubclass(ENV_TYPES[config.custom_envs[t].env_type], TextEnvironment)]
+        host_only = [t for t in tags if not runs_on_device(config.custom_envs[t].env_type)]
         _require(not host_only, f"agent_proxy.rollout_driver=fused steps JAX environments on device; {host_only} "
                                 f"are host-only (Countdown): use agent_proxy.rollout_driver=host")
         _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True: "
@@ -435,7 +389,8 @@ def _validate_rollout(config: StarPOConfig) -> None:
 
 def validate(config: StarPOConfig) -> StarPOConfig:
     """Checks every field's type and the cross-field rules of RAGEN's ``train.py``; returns ``config``."""
-    _check_types(config)
+    check_types(config)
+    _validate_names(config)
     _require(config.trainer.total_training_steps >= 1, f"trainer.total_training_steps must be >= 1, "
                                                        f"got {config.trainer.total_training_steps}")
     _require(config.trainer.max_consecutive_non_finite >= 1, f"trainer.max_consecutive_non_finite must be >= 1, "
@@ -443,7 +398,7 @@ def validate(config: StarPOConfig) -> StarPOConfig:
     check_loggers(config.trainer.logger)
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
-    _validate_custom_envs(config)
+    validate_custom_envs(config.custom_envs, config.es_manager)
     _validate_batches(config)
     _validate_algorithm(config)
     _validate_rollout(config)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+import envs
 from envs.registry import ENV_TYPES, EnvEntry, env_config_types
 from runtime.config import value_from_text
+from starpo_jax.config_types import check_value
 
 SECTION = "custom_envs"
 TAG_KEYS = ("max_actions_per_traj", "env_instruction", "max_tokens")
@@ -66,3 +68,36 @@ def apply_overrides(custom_envs: Mapping[str, EnvEntry], overrides: Sequence[tup
             raise ValueError(f"unknown key {key}: an entry has env_type, {', '.join(TAG_KEYS)} and "
                              f"env_config.<keyword>")
     return entries
+
+
+def validate_custom_envs(custom_envs: Mapping[str, EnvEntry], es_manager: Any) -> None:
+    """Every entry's type and ``env_config`` keywords, and that it builds; ``es_manager`` names only entries.
+
+    Raises:
+      ValueError: naming the ``custom_envs`` or ``es_manager`` key at fault.
+    """
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise ValueError(message)
+
+    for tag, entry in custom_envs.items():
+        path = f"{SECTION}.{tag}"
+        require(entry.env_type in ENV_TYPES, f"{path}.env_type must be one of {tuple(ENV_TYPES)}, "
+                                             f"got {entry.env_type!r}")
+        require(entry.max_actions_per_traj >= 1,
+                f"{path}.max_actions_per_traj must be >= 1, got {entry.max_actions_per_traj}")
+        require(entry.max_tokens >= 1, f"{path}.max_tokens must be >= 1, got {entry.max_tokens}")
+        keywords = env_config_types(entry.env_type)
+        for name, value in entry.env_config.items():
+            require(name in keywords, f"{path}.env_config.{name} is not a keyword of {entry.env_type} "
+                                      f"environments; they take {sorted(keywords)}")
+            check_value(value, keywords[name], f"{path}.env_config.{name}")
+        try:
+            envs.make(tag, custom_envs)
+        except ValueError as error:
+            raise ValueError(f"{path}.env_config: {error}") from error
+    for section in ("train", "val"):
+        for tag in getattr(es_manager, section).env_configs.tags:
+            require(tag in custom_envs,
+                    f"es_manager.{section}.env_configs.tags names {tag!r}, which custom_envs does not define "
+                    f"(it has {sorted(custom_envs)}): add {SECTION}.{tag}.env_type=<one of {', '.join(ENV_TYPES)}>")

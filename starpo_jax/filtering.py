@@ -7,13 +7,29 @@ kept groups ``k = floor(p · env_groups)`` is static, so the result gathers to f
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-FILTER_TYPES = ("std", "std_rev")
+from runtime.registry import Registry
+
 ZERO_STD_EPS = 1e-6
+# ``fn(scores (env_groups, group_size), in_group_std (env_groups,), kept) -> (kept,) group ids to keep``.
+FILTER_TYPES: Registry[Callable[[jax.Array, jax.Array, int], jax.Array]] = Registry(
+    "rollout filter", "actor_rollout_ref.rollout.rollout_filter_type")
+
+
+@FILTER_TYPES.register("std")
+def top_std_groups(scores: jax.Array, in_group_std: jax.Array, kept: int) -> jax.Array:
+    """The ``kept`` groups with the largest reward std (ties: lower group id first)."""
+    return jnp.argsort(-in_group_std, stable=True)[:kept]
+
+
+@FILTER_TYPES.register("std_rev")
+def bottom_std_groups(scores: jax.Array, in_group_std: jax.Array, kept: int) -> jax.Array:
+    """The ``kept`` groups with the smallest reward std (ties: lower group id first)."""
+    return jnp.argsort(in_group_std, stable=True)[:kept]
 
 
 class GroupFilter(NamedTuple):
@@ -53,12 +69,10 @@ def filter_groups_by_reward_std(scores: jax.Array, ratio: float, filter_type: st
     Args:
       scores: ``(env_groups, group_size)`` score (+ penalty) of each trajectory, group-major.
       ratio: ``actor_rollout_ref.rollout.rollout_filter_ratio`` in ``(0, 1]``.
-      filter_type: ``std`` keeps the largest stds, ``std_rev`` the smallest.
+      filter_type: a ``FILTER_TYPES`` name: ``std`` keeps the largest stds, ``std_rev`` the smallest.
       drop_zero_std: mask out kept groups whose rewards do not vary.
     """
-    if filter_type not in FILTER_TYPES:
-        raise ValueError(f"actor_rollout_ref.rollout.rollout_filter_type must be one of {FILTER_TYPES}, "
-                         f"got {filter_type!r}")
+    select = FILTER_TYPES.get(filter_type)
     if scores.ndim != 2:
         raise ValueError(f"scores must have shape (env_groups, group_size), got {scores.shape}")
     if not 0.0 < ratio <= 1.0:
@@ -74,8 +88,7 @@ def filter_groups_by_reward_std(scores: jax.Array, ratio: float, filter_type: st
     in_group_std = jnp.std(scores, axis=1, ddof=1) if group_size > 1 else jnp.zeros((env_groups,), jnp.float32)
     in_group_max = jnp.max(scores, axis=1)
     in_group_mean = jnp.mean(scores, axis=1)
-    ranking_key = -in_group_std if filter_type == "std" else in_group_std
-    group_indices = jnp.sort(jnp.argsort(ranking_key, stable=True)[:kept])
+    group_indices = jnp.sort(select(scores, in_group_std, kept))
     sample_indices = (group_indices[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
     group_weight = jnp.ones((kept,), jnp.float32)
     if drop_zero_std:

@@ -19,7 +19,6 @@ seeds and greedy decoding both drivers then give identical trajectories.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -29,222 +28,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from envs.bandit import Bandit
-from envs.base import TextEnvironment
-from envs.frozen_lake import FrozenLake
-from envs.sokoban import Sokoban
-from envs.text import env_prefix, reward_text
-from envs.tokens import GridRenderer, build_grid_renderer, build_response_parser, parse_tokens, render_tokens
+from envs.text_states import make_piece
+from envs.tokens import parse_tokens
 from runtime.mesh import batch_sharding
 from starpo_jax.env_manager import Slot
+from starpo_jax.fused_tables import EnvTables, build_env_tables
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import KVCache, cache_shardings, init_cache
-from starpo_jax.rollout import RolloutSettings, pack_sequences, training_tail, turn_continuation
+from starpo_jax.rollout import RolloutSettings, pack_sequences, training_tail
 from starpo_jax.sampler import SamplerConfig, make_sampler
-from starpo_jax.trajectory import Trajectory, Turn, render_chat, render_text
+from starpo_jax.trajectory import Trajectory, Turn
 
-NUM_CHECKED_STATES = 8  # reset states whose prompts and continuations are checked per grid environment
-NUM_TABLE_RESETS = 64  # resets enumerating a gridless environment's states (Bandit: two arm orders)
-
-
-def step_reward_values(env: Any, params: Any) -> tuple[float, ...]:
-    """Every float32 reward one ``step_env`` can return (the reward-text automaton's alphabet)."""
-    if isinstance(env, Bandit):
-        return (params.lo_arm_score, params.hi_arm_loscore, params.hi_arm_hiscore)
-    if isinstance(env, FrozenLake):
-        return (0.0, 1.0)
-    if isinstance(env, Sokoban):
-        return tuple(params.penalty_for_step + box + finish
-                     for box in (0.0, params.reward_box_on_target, params.penalty_box_off_target)
-                     for finish in (0.0, params.reward_finished))
-    raise ValueError(f"environment {getattr(env, 'tag', type(env).__name__)!r} has no on-device rollout "
-                     f"(Countdown and Python environments are host-only): set agent_proxy.rollout_driver=host")
-
-
-class Piece(NamedTuple):
-    """Variants of one text piece: token ids ``[n, W]`` (0-padded) and ``lengths[n]``."""
-
-    ids: jax.Array
-    lengths: jax.Array
-
-
-def _piece(rows: Sequence[Sequence[int]]) -> Piece:
-    ids = np.zeros((len(rows), max(1, max(len(r) for r in rows))), np.int32)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = row
-    return Piece(jnp.asarray(ids), jnp.asarray([len(r) for r in rows], jnp.int32))
-
-
-class RewardTable(NamedTuple):
-    """RAGEN's turn reward text ``str(0 + r_1 + … + r_n)`` as an automaton over step rewards.
-
-    ``values[V]``: the float32 step rewards; ``next_total[T, V]``: the running Python sum
-    after one more step (state 0 is the integer 0); ``totals[T]``: each state's sum as float32
-    (a turn's score, ``Slot.turn_scores``); ``text``: ``Reward:\\n{total}\\n`` per state.
-    """
-
-    values: jax.Array
-    next_total: jax.Array
-    totals: jax.Array
-    text: Piece
-
-
-def build_reward_table(env: Any, params: Any, tokenizer: Any, max_steps: int) -> tuple[RewardTable, list[str]]:
-    """Enumerates the Python running sums of up to ``max_steps`` step rewards (and their texts)."""
-    values = np.asarray(step_reward_values(env, params), np.float32)
-    python = [env.reward_value(float(v), params) for v in values]
-    totals, index = [0], {(int, "0"): 0}
-    next_total = [[0] * len(values)]
-    frontier = [0]
-    for _ in range(max_steps):
-        grown = []
-        for state in frontier:
-            for v, value in enumerate(python):
-                total = totals[state] + value
-                key = (type(total), repr(total))
-                if key not in index:
-                    index[key] = len(totals)
-                    totals.append(total)
-                    next_total.append([index[key]] * len(values))  # past max_steps: never read
-                    grown.append(index[key])
-                next_total[state][v] = index[key]
-        frontier = grown
-    texts = [reward_text([total]) for total in totals]
-    encoded = [list(r) for r in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    return RewardTable(jnp.asarray(values), jnp.asarray(next_total, jnp.int32),
-                       jnp.asarray([float(total) for total in totals], jnp.float32), _piece(encoded)), texts
-
-
-class TextStates(NamedTuple):
-    """States of a gridless environment (Bandit's rules), looked up by observation.
-
-    A text state ends in a newline that some pre-tokenizers join to the next ``"\\n"`` and
-    others do not, so each entry holds the state together with its ``You have N actions…``
-    piece (entry ``state * (max_actions_per_traj + 1) + N``).
-    """
-
-    obs: jax.Array  # [n, *obs_shape]
-    text: Piece
-
-
-def state_tokens(renderer: GridRenderer | TextStates, obs: jax.Array, actions_left: jax.Array):
-    """Tokens of the state text and its newline (with the budget piece for a ``TextStates``)."""
-    if isinstance(renderer, GridRenderer):
-        return render_tokens(renderer, obs)
-    flat = renderer.obs.reshape(renderer.obs.shape[0], -1)
-    row = jnp.argmax(jnp.all(flat == obs.reshape(1, -1), axis=1))
-    row = row * (renderer.text.ids.shape[0] // flat.shape[0]) + actions_left
-    return renderer.text.ids[row], renderer.text.lengths[row]
-
-
-class EnvTables(NamedTuple):
-    """One environment tag's token pieces, parser, state renderer and reward automaton."""
-
-    env: Any
-    params: Any
-    parser: Any
-    states: GridRenderer | TextStates
-    rewards: RewardTable
-    prompt_head: Piece  # the chat through "State:\n" of Turn 1
-    head: Piece  # after a turn-end token, through the user header
-    turn: Piece  # "\nTurn k:\nState:\n" at index k
-    after: Piece  # "You have N actions left. …" through the forced tag, at index N
-
-
-def _states(env: TextEnvironment, params: Any, count: int) -> tuple[list[Any], np.ndarray]:
-    """``count`` reset states (unbatched, host) and their observations."""
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(jnp.arange(count))
-    obs, batch = jax.jit(jax.vmap(env.reset_env, (0, None)))(keys, params)
-    return [jax.tree.map(lambda x: x[i], batch) for i in range(count)], np.asarray(obs)
-
-
-def _split(text: str, part: str) -> tuple[str, str]:
-    at = text.rindex(part)
-    return text[:at], text[at + len(part):]
-
-
-def _continuation_text(tokenizer, env, settings: RolloutSettings, reward: str, turn: int, state: str,
-                       actions_left: int) -> str:
-    answered = Turn("s", 1, "<think></think><answer></answer>", "Reward:\n0\n")
-    history = [answered] * (turn - 2) + [dataclasses.replace(answered, reward=reward), Turn(state, actions_left)]
-    slot = Slot(types.SimpleNamespace(max_tokens=env.max_tokens), 0, 0, env_prefix(env), history)
-    return turn_continuation(tokenizer, slot, settings)
-
-
-def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params: Any = None) -> EnvTables:
-    """Token tables of ``env`` for ``tokenizer``; checks the piece encodings against whole texts.
-
-    Raises:
-      ValueError: naming the environment for a host-only one (Countdown), or naming the
-        tokenizer and the text when its merges cross a piece boundary.
-    """
-    params = env.default_params if params is None and isinstance(env, TextEnvironment) else params
-    step_reward_values(env, params)
-    budget = env.max_actions_per_traj
-    encode = lambda texts: [list(r) for r in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    rewards, reward_texts = build_reward_table(env, params, tokenizer, min(settings.max_actions_per_turn, budget))
-    grid = hasattr(env, "grid_lookup")
-    states, obs = _states(env, params, NUM_CHECKED_STATES if grid else NUM_TABLE_RESETS)
-    state_texts = [env.render_text(s) for s in states]
-    if grid:
-        renderer = build_grid_renderer(env, tokenizer)
-        ids, lengths = jax.vmap(lambda o: render_tokens(renderer, o))(jnp.asarray(obs))
-        state_ids = [list(np.asarray(i)[:n]) for i, n in zip(ids, np.asarray(lengths))]
-    else:  # every distinct reset state; a step always ends Bandit, so no later state is ever shown
-        rows = sorted({text: i for i, text in reversed(list(enumerate(state_texts)))}.values())
-        state_texts = [state_texts[i] for i in rows]
-
-    messages = lambda state: render_chat(env_prefix(env), [Turn(state, budget)], max_tokens=env.max_tokens,
-                                         enable_think=settings.enable_think)
-    prompt = render_text(tokenizer, messages(state_texts[0]), for_update=False, enable_think=settings.enable_think)
-    prompt_head, _ = _split(prompt, state_texts[0] + "\n")
-    reward0 = reward_texts[0]
-
-    def parts(turn, actions_left):
-        text = _continuation_text(tokenizer, env, settings, reward0, turn, state_texts[0], actions_left)
-        head, rest = _split(text, reward0)
-        middle, after = _split(rest, state_texts[0] + "\n")
-        return head, middle, after
-
-    head = parts(2, budget)[0]
-    turns = [""] * 2 + [parts(k, budget)[1] for k in range(2, max(settings.max_turn, 2) + 1)]
-    afters = [parts(2, n)[2] for n in range(budget + 1)]
-    if not grid:
-        state_ids = encode(text + "\n" + after for text in state_texts for after in afters)
-        renderer = TextStates(jnp.asarray(obs[rows]), _piece(state_ids))
-        afters = [""] * len(afters)
-    tables = EnvTables(env, params, build_response_parser(tokenizer, env.action_names, settings.enable_think,
-                                                          settings.max_actions_per_turn),
-                       renderer, rewards, _piece(encode([prompt_head])), _piece(encode([head])),
-                       _piece(encode(turns)), _piece(encode(afters)))
-    state_piece = (lambda s, n: state_ids[s]) if grid else (lambda s, n: state_ids[s * (budget + 1) + n])
-    _check_pieces(tokenizer, env, settings, tables, reward_texts, state_texts, state_piece, messages)
-    return tables
-
-
-def _check_pieces(tokenizer, env, settings, tables: EnvTables, reward_texts, state_texts, state_piece,
-                  messages) -> None:
-    """Raises unless every piece concatenation equals the host driver's whole-text encoding."""
-    piece = lambda p, i: [int(t) for t in np.asarray(p.ids[i])[:int(p.lengths[i])]]
-    budget = env.max_actions_per_traj
-    cases = [(r, 2, 0, budget) for r in range(len(reward_texts))]
-    cases += [(0, k, s, budget) for k in range(2, settings.max_turn + 1) for s in range(len(state_texts))]
-    cases += [(0, 2, 0, n) for n in range(budget + 1)]
-    texts, expected = [], []
-    for r, k, s, n in cases:
-        texts.append(_continuation_text(tokenizer, env, settings, reward_texts[r], k, state_texts[s], n))
-        expected.append(piece(tables.head, 0) + piece(tables.rewards.text, r) + piece(tables.turn, k)
-                        + state_piece(s, n) + piece(tables.after, n))
-    for s, state in enumerate(state_texts):
-        texts.append(render_text(tokenizer, messages(state), for_update=False, enable_think=settings.enable_think))
-        expected.append(piece(tables.prompt_head, 0) + state_piece(s, budget) + piece(tables.after, budget))
-    whole = [list(r) for r in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    for text, got, want in zip(texts, whole, expected):
-        if got != want:
-            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-            raise ValueError(f"tokenizer {name!r} merges across the fused rollout's piece boundaries of {env.tag} "
-                             f"(the host driver encodes the whole text), e.g. in {text!r}: use the host driver")
-
+__all__ = ["EnvTables", "FusedEpisode", "FusedOutput", "FusedRollout", "build_env_tables", "fused_rollout",
+           "make_fused_rollout"]
 
 class FusedRollout(NamedTuple):
     """The compiled program and what it was built with (``make_fused_rollout``)."""
@@ -371,14 +167,14 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         raise ValueError(f"SamplerConfig.stop_ids must contain the EOS id {eos}, got {sampler_config.stop_ids}")
     sample = make_sampler(graphdef, sampler_config, mesh=mesh)
     starts = np.cumsum([0, *block_sizes])
-    tail = _piece([tokenizer.encode(training_tail(tokenizer, _finished_slot(), settings), add_special_tokens=False)])
+    tail = make_piece([tokenizer.encode(training_tail(tokenizer, _finished_slot(), settings), add_special_tokens=False)])
     max_budget = max(t.env.max_actions_per_traj for t in tables)
 
     def segment(t: EnvTables, block: _Block, turn, ended, num_actions, active):
         rows = ended.shape[0]
         obs = jax.vmap(t.env.get_obs)(block.env_state)
         left = t.env.max_actions_per_traj - num_actions
-        state = jax.vmap(lambda o, n: state_tokens(t.states, o, n))(obs, left)
+        state = jax.vmap(t.states.tokens)(obs, left)
         after = (t.after.ids[left], t.after.lengths[left])
         fixed = lambda p, i: (jnp.broadcast_to(p.ids[i], (rows, p.ids.shape[1])), jnp.full(rows, p.lengths[i]))
         prompt = _concat([fixed(t.prompt_head, 0), state, after])

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from runtime.mesh import batch_sharding
 from runtime.sharding import shardings_of
 from runtime.train_state import TrainState, compile_step, init_train_state
-from starpo_jax.advantages import apply_kl_penalty, compute_advantage
+from starpo_jax.advantages import AdvantageInputs, apply_kl_penalty, compute_advantage
 from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import filter_groups_by_reward_std
 from starpo_jax.masked import masked_mean
@@ -163,10 +163,8 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
         out = apply_kl_penalty(rewards, old_log_probs, ref_log_probs, loss_mask, algorithm.kl_ctrl.kl_coef,
                                algorithm.kl_penalty)
         rewards, metrics = out.token_level_rewards, {**metrics, **out.metrics}
-    adv = compute_advantage(algorithm.adv_estimator, rewards, values, loss_mask, gamma=algorithm.gamma,
-                            lam=algorithm.lam, bi_level_gae=algorithm.bi_level_gae,
-                            high_level_gamma=algorithm.high_level_gamma,
-                            grpo_length_weight=config.grpo_advantage_length_weight)
+    adv = compute_advantage(AdvantageInputs(rewards, values, loss_mask, jnp.asarray(batch.group_ids), old_log_probs,
+                                            ref_log_probs), config)
     metrics.update({"critic/advantages/mean": masked_mean(adv.advantages, loss_mask),
                     "critic/returns/mean": masked_mean(adv.returns, loss_mask),
                     "response_length/mean": jnp.mean(jnp.sum(loss_mask, axis=1))})

@@ -3,20 +3,19 @@
 Inputs are what an actor or critic step holds: ``(B, T)`` log-probs of the trained
 tokens under the current, old (recomputed) and reference policies, advantages,
 the loss mask and per-token entropies. Each loss returns ``(loss, metrics)`` with
-RAGEN/verl's metric names.
+RAGEN/verl's metric names. Policy losses, critic losses, aggregation modes and KL estimators are
+registries (``runtime.registry``) the config names them from.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from runtime.registry import Registry
 from starpo_jax.masked import MEAN_EPS, masked_mean, masked_sum
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 class LossOutput(NamedTuple):
@@ -26,9 +25,22 @@ class LossOutput(NamedTuple):
     metrics: dict[str, jax.Array]
 
 
-def _check_loss_agg_mode(loss_agg_mode: str) -> None:
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+class LossAggregation(NamedTuple):
+    """A loss aggregation mode: ``agg = Σ_rows sequence_loss(loss_mat, mask) / normalizer(mask)``."""
+
+    sequence_loss: Callable[[jax.Array, jax.Array], jax.Array]
+    normalizer: Callable[[jax.Array], jax.Array]
+
+
+LOSS_AGG_MODES: Registry[LossAggregation] = Registry("loss aggregation mode", "actor_rollout_ref.actor.loss_agg_mode")
+_token_sums = lambda loss_mat, mask: masked_sum(loss_mat, mask, axis=-1)
+_num_sequences = lambda mask: jnp.maximum(jnp.sum(jnp.any(mask > 0, axis=-1)), 1).astype(jnp.float32)
+LOSS_AGG_MODES.register("token-mean", LossAggregation(_token_sums, lambda mask: jnp.sum(mask) + MEAN_EPS))
+LOSS_AGG_MODES.register("seq-mean-token-mean", LossAggregation(
+    lambda loss_mat, mask: _token_sums(loss_mat, mask) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0), _num_sequences))
+LOSS_AGG_MODES.register("seq-mean-token-sum", LossAggregation(_token_sums, _num_sequences))
+LOSS_AGG_MODES.register("seq-mean-token-sum-norm", LossAggregation(
+    _token_sums, lambda mask: jnp.asarray(mask.shape[-1], jnp.float32)))
 
 
 def loss_normalizer(loss_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
@@ -39,13 +51,8 @@ def loss_normalizer(loss_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
     Computed once over a whole mini-batch and passed to each micro-batch's loss, it makes the
     sum of the micro-batch losses equal the mini-batch loss (starpo.md §22.5).
     """
-    _check_loss_agg_mode(loss_agg_mode)
-    loss_mask = jnp.asarray(loss_mask, jnp.float32)
-    if loss_agg_mode == "token-mean":
-        return jnp.sum(loss_mask) + MEAN_EPS
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return jnp.asarray(loss_mask.shape[-1], jnp.float32)
-    return jnp.maximum(jnp.sum(jnp.any(loss_mask > 0, axis=-1)), 1).astype(jnp.float32)
+    mode = LOSS_AGG_MODES.get(loss_agg_mode, "loss_agg_mode")
+    return mode.normalizer(jnp.asarray(loss_mask, jnp.float32))
 
 
 def aggregate_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str,
@@ -58,16 +65,20 @@ def aggregate_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str
     mask is all zero are padding and do not count as sequences. ``normalizer`` replaces this
     batch's ``loss_normalizer`` (pass the mini-batch's to accumulate micro-batches by summing).
     """
-    _check_loss_agg_mode(loss_agg_mode)
-    if normalizer is None:
-        normalizer = loss_normalizer(loss_mask, loss_agg_mode)
+    mode = LOSS_AGG_MODES.get(loss_agg_mode, "loss_agg_mode")
     loss_mask = jnp.asarray(loss_mask, jnp.float32)
-    sequence_sums = masked_sum(loss_mat, loss_mask, axis=-1)
-    if loss_agg_mode == "seq-mean-token-mean":
-        sequence_sums = sequence_sums / jnp.maximum(jnp.sum(loss_mask, axis=-1), 1.0)
-    return jnp.sum(sequence_sums) / normalizer
+    if normalizer is None:
+        normalizer = mode.normalizer(loss_mask)
+    return jnp.sum(mode.sequence_loss(loss_mat, loss_mask)) / normalizer
 
 
+# ``fn(log_probs, old_log_probs, advantages, loss_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+# loss_agg_mode, normalizer) -> LossOutput`` (``decoupled_clip_loss``'s signature), by ``policy_loss.loss_mode``.
+POLICY_LOSSES: Registry[Callable[..., LossOutput]] = Registry(
+    "policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
+
+
+@POLICY_LOSSES.register("vanilla")
 def decoupled_clip_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array,
                         loss_mask: jax.Array, clip_ratio_low: float, clip_ratio_high: float,
                         clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "seq-mean-token-mean",
@@ -111,43 +122,50 @@ def entropy_from_logits(logits: jax.Array, temperature: float = 1.0) -> jax.Arra
     return jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
+KL_ESTIMATORS: Registry[Callable[[jax.Array], jax.Array]] = Registry(
+    "KL estimator", "actor_rollout_ref.actor.kl_loss_type or algorithm.kl_penalty")
+
+
+def _low_var_kl(diff: jax.Array) -> jax.Array:
+    reverse = jnp.clip(-diff, -20.0, 20.0)
+    return jnp.clip(jnp.exp(reverse) - reverse - 1.0, -10.0, 10.0)
+
+
+for _names, _estimator in ((("kl", "k1"), lambda diff: diff), (("abs",), jnp.abs),
+                           (("mse", "k2"), lambda diff: 0.5 * jnp.square(diff)), (("low_var_kl", "k3"), _low_var_kl)):
+    for _name in _names:
+        KL_ESTIMATORS.register(_name, _estimator)
+
+
 def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array, kl_type: str = "kl") -> jax.Array:
     """Per-token KL estimate between the policy and the reference (verl ``kl_penalty``).
 
     ``kl``/``k1``: ``logp − ref``; ``abs``: ``|logp − ref|``; ``mse``/``k2``: ``½(logp − ref)²``;
     ``low_var_kl``/``k3``: ``exp(d) − d − 1`` with ``d = clip(ref − logp, −20, 20)``, clamped to
-    ``[−10, 10]`` (Schulman's low-variance estimator).
+    ``[−10, 10]`` (Schulman's low-variance estimator). ``KL_ESTIMATORS`` holds them by name.
     """
-    if kl_type not in KL_ESTIMATORS:
-        raise ValueError(f"the KL estimator (actor_rollout_ref.actor.kl_loss_type or algorithm.kl_penalty) "
-                         f"must be one of {KL_ESTIMATORS}, got {kl_type!r}")
-    diff = jnp.asarray(log_probs, jnp.float32) - jnp.asarray(ref_log_probs, jnp.float32)
-    if kl_type in ("kl", "k1"):
-        return diff
-    if kl_type == "abs":
-        return jnp.abs(diff)
-    if kl_type in ("mse", "k2"):
-        return 0.5 * jnp.square(diff)
-    reverse = jnp.clip(-diff, -20.0, 20.0)
-    return jnp.clip(jnp.exp(reverse) - reverse - 1.0, -10.0, 10.0)
+    estimator = KL_ESTIMATORS.get(kl_type)
+    return estimator(jnp.asarray(log_probs, jnp.float32) - jnp.asarray(ref_log_probs, jnp.float32))
 
 
 def actor_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, loss_mask: jax.Array,
                entropy: jax.Array, ref_log_probs: jax.Array | None = None, *, clip_ratio_low: float,
                clip_ratio_high: float, clip_ratio_c: float | None, entropy_coeff: float, use_kl_loss: bool,
-               kl_loss_coef: float, kl_loss_type: str = "kl",
-               loss_agg_mode: str = "seq-mean-token-mean", normalizer: jax.Array | None = None) -> LossOutput:
+               kl_loss_coef: float, kl_loss_type: str = "kl", loss_agg_mode: str = "seq-mean-token-mean",
+               normalizer: jax.Array | None = None, policy_loss: str = "vanilla") -> LossOutput:
     """StarPO policy objective (starpo.md §10): ``pg_loss − entropy_coeff·H + kl_loss_coef·KL(π, π_ref)``.
 
     The entropy and KL terms use the same aggregation as the policy-gradient term. Adds
     ``actor/entropy_loss`` (positive mean entropy) and, with the KL loss, ``actor/kl_loss`` and
     ``actor/kl_coef``. ``ref_log_probs`` is required only when ``use_kl_loss``; ``normalizer`` is
-    that of ``aggregate_loss``.
+    that of ``aggregate_loss``. ``pg_loss`` is the registered ``POLICY_LOSSES[policy_loss]``, called
+    with ``decoupled_clip_loss``'s arguments.
     """
     if use_kl_loss and ref_log_probs is None:
         raise ValueError("ref_log_probs is required when actor_rollout_ref.actor.use_kl_loss is True")
-    pg_loss, metrics = decoupled_clip_loss(log_probs, old_log_probs, advantages, loss_mask, clip_ratio_low,
-                                           clip_ratio_high, clip_ratio_c, loss_agg_mode, normalizer)
+    pg_loss, metrics = POLICY_LOSSES.get(policy_loss)(log_probs, old_log_probs, advantages, loss_mask,
+                                                      clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
+                                                      normalizer)
     entropy_term = aggregate_loss(entropy, loss_mask, loss_agg_mode, normalizer)
     loss = pg_loss - entropy_coeff * entropy_term
     metrics = {**metrics, "actor/entropy_loss": entropy_term}
@@ -159,6 +177,11 @@ def actor_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.A
     return LossOutput(loss, metrics)
 
 
+# ``fn(values, old_values, returns, loss_mask, cliprange_value, loss_agg_mode, normalizer) -> LossOutput``.
+CRITIC_LOSSES: Registry[Callable[..., LossOutput]] = Registry("critic loss", "critic.loss_mode")
+
+
+@CRITIC_LOSSES.register("clipped")
 def clipped_value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, loss_mask: jax.Array,
                        cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
                        normalizer: jax.Array | None = None) -> LossOutput:

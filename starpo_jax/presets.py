@@ -1,6 +1,8 @@
-"""Named StarPO algorithms and RAGEN's paper runs as compositions of ``key=value`` overrides (starpo.md §12, §17).
+"""Named StarPO algorithms and RAGEN's paper runs as compositions of typed presets (starpo.md §12, §17).
 
-The flag sets are those of RAGEN's ``train_all.sh`` (``USE_PPO``, ``USE_GRPO``, ``USE_BASE``);
+A ``runtime.preset.Preset`` maps config key paths to typed values; ``a + b`` applies ``a`` then ``b``
+(the mechanism TDD's presets share). The flag sets are those of RAGEN's ``train_all.sh`` (``USE_PPO``,
+``USE_GRPO``, ``USE_BASE``);
 StarPO-S is the default config, vanilla StarPO adds ``USE_BASE``, and the paper's ablations
 add one more flag set each. A paper recipe is an environment flag set (RAGEN's
 ``_1_bandit`` / ``_2_sokoban`` / ``_3_frozen_lake`` / ``_4_countdown`` configs) followed by an
@@ -19,54 +21,61 @@ import dataclasses
 import sys
 from typing import Sequence
 
-from runtime.config import parse_config, split_section
+from runtime.config import split_section
 from runtime.mesh import MeshConfig
+from runtime.preset import Preset, build_config
 from starpo_jax.config import StarPOConfig, resolve, validate
 from starpo_jax.custom_envs import SECTION, apply_overrides
 
-USE_PPO = ("algorithm.adv_estimator=gae",)
-USE_GRPO = ("algorithm.adv_estimator=grpo", "agent_proxy.reward_normalization.method=mean_std",
-            "actor_rollout_ref.actor.use_kl_loss=True")
-USE_BASE = ("algorithm.kl_ctrl.kl_coef=0.001", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-            "actor_rollout_ref.actor.clip_ratio_high=0.2", "actor_rollout_ref.rollout.rollout_filter_ratio=1")
+USE_PPO = Preset({"algorithm.adv_estimator": "gae"})
+USE_GRPO = Preset({"algorithm.adv_estimator": "grpo", "agent_proxy.reward_normalization.method": "mean_std",
+                   "actor_rollout_ref.actor.use_kl_loss": True})
+USE_BASE = Preset({"algorithm.kl_ctrl.kl_coef": 0.001, "actor_rollout_ref.actor.kl_loss_coef": 0.001,
+                   "actor_rollout_ref.actor.clip_ratio_high": 0.2, "actor_rollout_ref.rollout.rollout_filter_ratio": 1.0})
 # PAPER applied KL-in-reward whenever use_kl_loss was False (starpo.md §22.8): vanilla PPO runs had it.
-PAPER_KL_IN_REWARD = ("algorithm.use_kl_in_reward=True",)
-CLIP_HIGHER = ("actor_rollout_ref.actor.clip_ratio_high=0.28",)
-NO_KL = ("algorithm.kl_ctrl.kl_coef=0.0", "actor_rollout_ref.actor.kl_loss_coef=0.0")
-USE_LORA = ("lora.rank=64", "lora.alpha=64", "actor_rollout_ref.actor.optim.lr=1e-5", "critic.optim.lr=1e-4")
+PAPER_KL_IN_REWARD = Preset({"algorithm.use_kl_in_reward": True})
+CLIP_HIGHER = Preset({"actor_rollout_ref.actor.clip_ratio_high": 0.28})
+NO_KL = Preset({"algorithm.kl_ctrl.kl_coef": 0.0, "actor_rollout_ref.actor.kl_loss_coef": 0.0})
+USE_LORA = Preset({"lora.rank": 64, "lora.alpha": 64, "actor_rollout_ref.actor.optim.lr": 1e-5,
+                   "critic.optim.lr": 1e-4})
 # RAGEN README's recipe for GPUs smaller than an 80 GB A100 (e.g. a 24 GB RTX 4090), starpo.md §16.
-LOW_MEMORY = ("micro_batch_size_per_gpu=1", "ppo_mini_batch_size=8", "actor_rollout_ref.rollout.max_model_len=2048",
-              "actor_rollout_ref.rollout.response_length=128")
-NO_THINK = ("agent_proxy.enable_think=False",)
-TINY = ("es_manager.train.env_groups=4", "es_manager.train.group_size=4", "es_manager.train.env_configs.n_groups=[4]",
-        "es_manager.val.env_groups=8", "es_manager.val.env_configs.n_groups=[8]", "ppo_mini_batch_size=4",
-        "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
-        "actor_rollout_ref.rollout.response_length=32", "actor_rollout_ref.rollout.max_model_len=512",
-        "agent_proxy.max_turn=2", "trainer.total_training_steps=2", "trainer.test_freq=1")
+LOW_MEMORY = Preset({"micro_batch_size_per_gpu": 1, "ppo_mini_batch_size": 8,
+                     "actor_rollout_ref.rollout.max_model_len": 2048, "actor_rollout_ref.rollout.response_length": 128})
+NO_THINK = Preset({"agent_proxy.enable_think": False})
+TINY = Preset({"es_manager.train.env_groups": 4, "es_manager.train.group_size": 4,
+               "es_manager.train.env_configs.n_groups": (4,), "es_manager.val.env_groups": 8,
+               "es_manager.val.env_configs.n_groups": (8,), "ppo_mini_batch_size": 4, "micro_batch_size_per_gpu": 2,
+               "actor_rollout_ref.rollout.rollout_filter_ratio": 0.5, "actor_rollout_ref.rollout.response_length": 32,
+               "actor_rollout_ref.rollout.max_model_len": 512, "agent_proxy.max_turn": 2,
+               "trainer.total_training_steps": 2, "trainer.test_freq": 1})
 
+
+def env_tags(train: tuple[str, ...], val: tuple[str, ...] | None = None) -> Preset:
+    """Train (and validate, by default on the same) on these ``custom_envs`` tags."""
+    return Preset({"es_manager.train.env_configs.tags": train, "es_manager.val.env_configs.tags": val or train})
+
+
+SINGLE_TURN = Preset({"agent_proxy.max_turn": 1, "agent_proxy.max_actions_per_turn": 1})
 # RAGEN's per-environment configs (config/_1_bandit.yaml ... _4_countdown.yaml; starpo.md §14).
-BANDIT = ("agent_proxy.max_turn=1", "agent_proxy.max_actions_per_turn=1",
-          "actor_rollout_ref.rollout.response_length=500", "es_manager.train.env_configs.tags=[Bandit]",
-          "es_manager.val.env_groups=512", "es_manager.val.env_configs.tags=[Bandit,BanditTest]",
-          "es_manager.val.env_configs.n_groups=[256,256]")
-SOKOBAN = ("es_manager.train.env_configs.tags=[SimpleSokoban]", "es_manager.val.env_configs.tags=[SimpleSokoban]")
-FROZEN_LAKE = ("es_manager.train.env_configs.tags=[FrozenLake]", "es_manager.val.env_configs.tags=[FrozenLake]")
-COUNTDOWN = ("agent_proxy.max_turn=1", "agent_proxy.max_actions_per_turn=1",
-             "es_manager.train.env_configs.tags=[Countdown]", "es_manager.val.env_configs.tags=[Countdown]")
-ENVIRONMENTS: dict[str, tuple[str, ...]] = {
-    "bandit": BANDIT, "sokoban": SOKOBAN, "frozenlake": FROZEN_LAKE, "countdown": COUNTDOWN}
+BANDIT = SINGLE_TURN + env_tags(("Bandit",), ("Bandit", "BanditTest")) + Preset({
+    "actor_rollout_ref.rollout.response_length": 500, "es_manager.val.env_groups": 512,
+    "es_manager.val.env_configs.n_groups": (256, 256)})
+SOKOBAN = env_tags(("SimpleSokoban",))
+FROZEN_LAKE = env_tags(("FrozenLake",))
+COUNTDOWN = SINGLE_TURN + env_tags(("Countdown",))
+ENVIRONMENTS: dict[str, Preset] = {"bandit": BANDIT, "sokoban": SOKOBAN, "frozenlake": FROZEN_LAKE,
+                                   "countdown": COUNTDOWN}
 # train_all.sh's SOKOBAN_GENERALIZATION_CONFIG: validate on 128 states of each of four variants.
 SOKOBAN_GENERALIZATION_TAGS = ("SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab", "FrozenLake")
-SOKOBAN_GENERALIZATION = SOKOBAN + (
-    "es_manager.val.env_groups=512", "es_manager.val.group_size=1",
-    f"es_manager.val.env_configs.tags=[{','.join(SOKOBAN_GENERALIZATION_TAGS)}]",
-    "es_manager.val.env_configs.n_groups=[128,128,128,128]")
+SOKOBAN_GENERALIZATION = SOKOBAN + Preset({
+    "es_manager.val.env_groups": 512, "es_manager.val.group_size": 1,
+    "es_manager.val.env_configs.tags": SOKOBAN_GENERALIZATION_TAGS, "es_manager.val.env_configs.n_groups": (128,) * 4})
 
 
-def bandit_arms(train: tuple[str, str], test: tuple[str, str]) -> tuple[str, ...]:
+def bandit_arms(train: tuple[str, str], test: tuple[str, str]) -> Preset:
     """The (low, high) arm names of the ``Bandit`` training tag and the ``BanditTest`` validation tag."""
-    return tuple(f"custom_envs.{tag}.env_config.{arm}_arm_name={name}"
-                 for tag, names in (("Bandit", train), ("BanditTest", test)) for arm, name in zip(("lo", "hi"), names))
+    return Preset({f"custom_envs.{tag}.env_config.{arm}_arm_name": name
+                   for tag, names in (("Bandit", train), ("BanditTest", test)) for arm, name in zip(("lo", "hi"), names)})
 
 
 # train_all.sh's Bandit generalisation runs (starpo.md §14.1): train on Engineer / Teacher, validate on
@@ -75,36 +84,36 @@ BANDIT_GENERALIZATION = BANDIT + bandit_arms(("Engineer", "Teacher"), ("Trader",
 BANDIT_GENERALIZATION_REV = BANDIT + bandit_arms(("Teacher", "Engineer"), ("Librarian", "Trader"))
 
 
-def filter_ratio(ratio: float) -> tuple[str, ...]:
-    """Flag set keeping the top ``ratio`` of groups by reward std (Fig. 7 ablation)."""
-    return (f"actor_rollout_ref.rollout.rollout_filter_ratio={ratio}",)
+def filter_ratio(ratio: float) -> Preset:
+    """Keeps the top ``ratio`` of groups by reward std (Fig. 7 ablation)."""
+    return Preset({"actor_rollout_ref.rollout.rollout_filter_ratio": float(ratio)})
 
 
-def groups(env_groups: int, group_size: int) -> tuple[str, ...]:
+def groups(env_groups: int, group_size: int) -> Preset:
     """``env_groups`` initial states (P) × ``group_size`` rollouts each (N), one env tag (Table 2).
 
     A group of one rollout has no reward std to rank by, so P × 1 keeps every group.
     """
-    keep_all = filter_ratio(1) if group_size == 1 else ()
-    return (f"es_manager.train.env_groups={env_groups}", f"es_manager.train.group_size={group_size}",
-            f"es_manager.train.env_configs.n_groups=[{env_groups}]") + keep_all
+    keep_all = filter_ratio(1) if group_size == 1 else Preset()
+    return Preset({"es_manager.train.env_groups": env_groups, "es_manager.train.group_size": group_size,
+                   "es_manager.train.env_configs.n_groups": (env_groups,)}) + keep_all
 
 
-def actions_per_turn(k: int) -> tuple[str, ...]:
+def actions_per_turn(k: int) -> Preset:
     """At most ``k`` actions per turn and ``5 k`` per trajectory in every environment of the run (Table 3)."""
-    return (f"agent_proxy.max_actions_per_turn={k}",) + tuple(
-        f"custom_envs.{tag}.max_actions_per_traj={5 * k}" for tag in SOKOBAN_GENERALIZATION_TAGS)
+    return Preset({"agent_proxy.max_actions_per_turn": k, **{
+        f"custom_envs.{tag}.max_actions_per_traj": 5 * k for tag in SOKOBAN_GENERALIZATION_TAGS}})
 
 
-def online(k: int) -> tuple[str, ...]:
+def online(k: int) -> Preset:
     """Online-k: each rollout batch feeds k mini-batch updates (Fig. 10; ``train_all.sh``)."""
     env_groups, steps, test_freq = {1: (8, 200, 10), 2: (16, 100, 5), 5: (40, 40, 2), 10: (80, 80, 1)}[k]
-    return groups(env_groups, 16) + (f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}")
+    return groups(env_groups, 16) + Preset({"trainer.total_training_steps": steps, "trainer.test_freq": test_freq})
 
 
 STARPO_PPO = USE_PPO + USE_BASE + PAPER_KL_IN_REWARD
 FILTER_RATIOS = (0.25, 0.5, 0.75, 1.0)
-ALGORITHMS: dict[str, tuple[str, ...]] = {
+ALGORITHMS: dict[str, Preset] = {
     "starpo-s-ppo": USE_PPO,
     "starpo-s-grpo": USE_GRPO,
     "starpo-ppo": STARPO_PPO,
@@ -121,7 +130,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
 MAIN_ALGORITHMS = ("starpo-ppo", "starpo-grpo", "starpo-s-ppo", "starpo-s-grpo", "starpo-s-ppo-lora",
                    "starpo-s-ppo-24gb")
 ABLATION_ENVIRONMENTS = ("sokoban", "frozenlake")
-PAPER_RECIPES: dict[str, tuple[str, ...]] = {
+PAPER_RECIPES: dict[str, Preset] = {
     **{f"{env}-{name}": flags + ALGORITHMS[name] for env, flags in ENVIRONMENTS.items() for name in MAIN_ALGORITHMS},
     **{f"{env}-{name}": ENVIRONMENTS[env] + algorithm for env in ABLATION_ENVIRONMENTS
        for name, algorithm in ALGORITHMS.items() if name not in MAIN_ALGORITHMS},
@@ -136,7 +145,7 @@ PAPER_RECIPES: dict[str, tuple[str, ...]] = {
     **{f"sokoban-actions{k}": SOKOBAN_GENERALIZATION + USE_PPO + actions_per_turn(k) for k in range(1, 8)},
     **{f"sokoban-online{k}": SOKOBAN_GENERALIZATION + USE_PPO + online(k) for k in (1, 2, 5, 10)},
 }
-PRESETS: dict[str, tuple[str, ...]] = {**ALGORITHMS, "tiny": USE_PPO + TINY, **PAPER_RECIPES}
+PRESETS: dict[str, Preset] = {**ALGORITHMS, "tiny": USE_PPO + TINY, **PAPER_RECIPES}
 
 # ``--mesh`` values (data, fsdp, tensor). Data-parallel devices (data × fsdp) × micro_batch_size_per_gpu
 # must divide ppo_mini_batch_size (32): 16 chips therefore split 8-way FSDP × 2-way tensor parallel.
@@ -169,8 +178,8 @@ def load_config(preset: str = "starpo-s-ppo", overrides: Sequence[str] = ()) -> 
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    env_overrides, rest = split_section([*PRESETS[preset], *overrides], SECTION)
-    config = parse_config(StarPOConfig, StarPOConfig(), rest, description=f"StarPO configuration, preset {preset}")
+    env_overrides, rest = split_section(overrides, SECTION)
+    config = build_config(StarPOConfig, PRESETS[preset], rest, description=f"StarPO configuration, preset {preset}")
     config = dataclasses.replace(config, custom_envs=apply_overrides(config.custom_envs, env_overrides))
     return validate(resolve(config))
 

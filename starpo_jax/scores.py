@@ -8,10 +8,13 @@ reward goes on that assistant turn's end instead and nothing is normalised.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
-NORMALIZATION_METHODS = ("identity", "mean", "mean_std", "asym_clip")
+from runtime.registry import Registry
+
 GROUPINGS = ("state", "batch", "inductive")
 STD_EPS = 1e-6
 ASYM_CLIP_RANGE = (-1.0, 3.0)
@@ -29,6 +32,41 @@ def normalization_group_ids(grouping: str, group_ids: jax.Array, tag_ids: jax.Ar
     return jnp.zeros_like(group_ids)
 
 
+# ``fn(x, group_ids, num_groups) -> normalised x``: one score normaliser per ``reward_normalization.method``.
+NORMALIZATION_METHODS: Registry[Callable[[jax.Array, jax.Array, int], jax.Array]] = Registry(
+    "score normaliser", "agent_proxy.reward_normalization.method")
+
+
+def _centered(x: jax.Array, group_ids: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array]:
+    """``x − mean_g`` and the group sizes."""
+    counts = jax.ops.segment_sum(jnp.ones_like(x), group_ids, num_groups)
+    means = jax.ops.segment_sum(x, group_ids, num_groups) / jnp.maximum(counts, 1.0)
+    return x - means[group_ids], counts
+
+
+@NORMALIZATION_METHODS.register("identity")
+def identity_scores(x: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
+    return x
+
+
+@NORMALIZATION_METHODS.register("mean")
+def mean_centered_scores(x: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
+    return _centered(x, group_ids, num_groups)[0]
+
+
+@NORMALIZATION_METHODS.register("mean_std")
+def standardized_scores(x: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
+    centered, counts = _centered(x, group_ids, num_groups)
+    variances = jax.ops.segment_sum(jnp.square(centered), group_ids, num_groups) / jnp.maximum(counts - 1.0, 1.0)
+    stds = jnp.sqrt(variances)[group_ids]
+    return jnp.where(stds > STD_EPS, centered / (stds + STD_EPS), 0.0)
+
+
+@NORMALIZATION_METHODS.register("asym_clip")
+def asym_clipped_scores(x: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
+    return jnp.clip(standardized_scores(x, group_ids, num_groups), *ASYM_CLIP_RANGE)
+
+
 def normalize_scores(scores: jax.Array, penalty: jax.Array, group_ids: jax.Array, num_groups: int,
                      method: str) -> jax.Array:
     """Adds the format penalty, then normalises within groups (starpo.md §8.2).
@@ -43,26 +81,12 @@ def normalize_scores(scores: jax.Array, penalty: jax.Array, group_ids: jax.Array
       penalty: ``(B,)`` accumulated format penalty.
       group_ids: ``(B,)`` int group of each trajectory, in ``[0, num_groups)``.
       num_groups: static upper bound on the number of groups.
-      method: one of ``NORMALIZATION_METHODS``.
+      method: a name registered in ``NORMALIZATION_METHODS``.
     """
-    if method not in NORMALIZATION_METHODS:
-        raise ValueError(f"agent_proxy.reward_normalization.method must be one of {NORMALIZATION_METHODS}, "
-                         f"got {method!r}")
+    normalizer = NORMALIZATION_METHODS.get(method)
     x = jnp.asarray(scores, jnp.float32) + jnp.asarray(penalty, jnp.float32)
-    if method == "identity":
-        return x
-    counts = jax.ops.segment_sum(jnp.ones_like(x), group_ids, num_groups)
-    means = jax.ops.segment_sum(x, group_ids, num_groups) / jnp.maximum(counts, 1.0)
-    centered = x - means[group_ids]
-    if method == "mean":
-        normalized = centered
-    else:
-        variances = jax.ops.segment_sum(jnp.square(centered), group_ids, num_groups) / jnp.maximum(counts - 1.0, 1.0)
-        stds = jnp.sqrt(variances)[group_ids]
-        normalized = jnp.where(stds > STD_EPS, centered / (stds + STD_EPS), 0.0)
-        if method == "asym_clip":
-            normalized = jnp.clip(normalized, *ASYM_CLIP_RANGE)
-    num_present = jnp.sum(counts > 0)
+    normalized = normalizer(x, group_ids, num_groups)
+    num_present = jnp.sum(jax.ops.segment_sum(jnp.ones_like(x), group_ids, num_groups) > 0)
     return jnp.where(num_present < x.shape[0], normalized, x)
 
 

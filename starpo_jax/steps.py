@@ -22,7 +22,7 @@ from flax import nnx
 from runtime.guards import non_finite_metrics, skip_non_finite
 from runtime.train_state import TrainState, scan_micro_batches
 from starpo_jax.config import ActorConfig, CriticConfig, OptimConfig
-from starpo_jax.losses import actor_loss, clipped_value_loss, entropy_from_logits, loss_normalizer
+from starpo_jax.losses import CRITIC_LOSSES, actor_loss, entropy_from_logits, loss_normalizer
 
 # Loss terms whose micro-batch values add up to the mini-batch value; other metrics are averaged.
 SUMMED_METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss")
@@ -155,7 +155,8 @@ def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ac
                          clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
                          entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
                          kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
-                         loss_agg_mode=actor.loss_agg_mode, normalizer=normalizer)
+                         loss_agg_mode=actor.loss_agg_mode, normalizer=normalizer,
+                         policy_loss=actor.policy_loss.loss_mode)
         return out.loss, out.metrics
 
     return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "actor", actor.optim.lr, actor.loss_agg_mode)
@@ -163,11 +164,11 @@ def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ac
 
 def make_critic_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, critic: CriticConfig,
                      num_micro_batches: int) -> Callable:
-    """``step(state, frozen, CriticBatch)``: one optimiser step of the clipped value loss (starpo.md §10)."""
+    """``step(state, frozen, CriticBatch)``: one optimiser step of ``critic.loss_mode``'s loss (starpo.md §10)."""
     def loss_fn(model, micro: CriticBatch, normalizer):
         values, _ = model(micro.input_ids, micro.attention_mask)
-        out = clipped_value_loss(values[:, :-1], micro.old_values, micro.returns, micro.loss_mask,
-                                 critic.cliprange_value, critic.loss_agg_mode, normalizer)
+        out = CRITIC_LOSSES.get(critic.loss_mode)(values[:, :-1], micro.old_values, micro.returns, micro.loss_mask,
+                                                  critic.cliprange_value, critic.loss_agg_mode, normalizer)
         return out.loss, out.metrics
 
     return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "critic", critic.optim.lr,

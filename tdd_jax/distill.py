@@ -36,13 +36,16 @@ from jax.sharding import Mesh
 
 from runtime.guards import non_finite_metrics, skip_non_finite
 from runtime.mesh import batch_sharding, replicated
+from runtime.registry import Registry
 from runtime.sharding import shardings_of
 from runtime.train_state import compile_step, init_train_state, scan_micro_batches
 from tdd_jax.sampler import Conditioning, broadcast_conditioning, guided_eps, module_eps_fn, replace_conditioning
 from tdd_jax.schedules import TDDSchedule, add_noise, consistency_jump, ddim_jump, make_tdd_schedule, predicted_origin
 from tdd_jax.targets import SELECTORS, make_selector
 
-LOSS_TYPES = ("huber", "l2")
+# ``fn(pred, target, config) -> scalar``: one consistency distance per ``DistillConfig.loss_type``.
+LOSS_TYPES: Registry[Callable[[jax.Array, jax.Array, Any], jax.Array]] = Registry("distillation loss",
+                                                                                  "DistillConfig.loss_type")
 UNCOND_MODES = ("zeros", "empty_prompt")
 
 
@@ -85,11 +88,11 @@ class DistillConfig:
         check(self.num_inference_steps_min >= 1, "num_inference_steps_min", ">= 1")
         check(self.num_inference_steps_max >= self.num_inference_steps_min, "num_inference_steps_max",
               f">= num_inference_steps_min ({self.num_inference_steps_min})")
-        check(self.selector in SELECTORS, "selector", f"one of {SELECTORS}")
+        check(self.selector in SELECTORS, "selector", f"one of {SELECTORS.names()} (registered in SELECTORS)")
         check(0.0 <= self.s_ratio < 1.0, "s_ratio", "in [0, 1)")
         check(self.w_min >= 0.0, "w_min", ">= 0")
         check(self.w_max >= self.w_min, "w_max", f">= w_min ({self.w_min})")
-        check(self.loss_type in LOSS_TYPES, "loss_type", f"one of {LOSS_TYPES}")
+        check(self.loss_type in LOSS_TYPES, "loss_type", f"one of {LOSS_TYPES.names()} (registered in LOSS_TYPES)")
         check(self.huber_c > 0.0, "huber_c", "> 0")
         check(0.0 <= self.proportion_empty_prompts <= 1.0, "proportion_empty_prompts", "in [0, 1]")
         check(self.teacher_uncond in UNCOND_MODES, "teacher_uncond", f"one of {UNCOND_MODES}")
@@ -171,6 +174,10 @@ def l2_loss(pred: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.mean((pred - target) ** 2)
 
 
+LOSS_TYPES.register("huber", lambda pred, target, config: pseudo_huber_loss(pred, target, config.huber_c))
+LOSS_TYPES.register("l2", lambda pred, target, config: l2_loss(pred, target))
+
+
 def unconditional_embedding(empty_prompt: Conditioning, mode: str) -> Conditioning:
     """The teacher's unconditional branch: the encoded empty prompt, or zeros of its shape (SDXL reference)."""
     if mode not in UNCOND_MODES:
@@ -234,10 +241,8 @@ def student_prediction(student_eps: Callable, x_start: jax.Array, sample: Distil
 
 
 def consistency_loss(pred: jax.Array, target: jax.Array, config: DistillConfig) -> jax.Array:
-    """Pseudo-Huber (``huber_c``) or L2, as ``config.loss_type`` says."""
-    if config.loss_type == "huber":
-        return pseudo_huber_loss(pred, target, config.huber_c)
-    return l2_loss(pred, target)
+    """The ``LOSS_TYPES`` entry ``config.loss_type`` names: pseudo-Huber (``huber_c``) or L2."""
+    return LOSS_TYPES.get(config.loss_type, "DistillConfig.loss_type")(pred, target, config)
 
 
 def make_optimizer(config: DistillConfig) -> optax.GradientTransformation:

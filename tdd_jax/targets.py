@@ -1,7 +1,7 @@
 """Target-timestep selectors: where the student's consistency jump lands (tdd.md §6).
 
 A selector maps a PRNG key and the teacher's end points ``t_n`` (B,) to targets ``s`` (B,)
-with ``0 ≤ s ≤ t_n``. Three are provided and chosen by name:
+with ``0 ≤ s ≤ t_n``. Three are registered in ``SELECTORS`` and chosen by name:
 
 * ``tdd`` (default) — the reference's ``select_s``: τ uniform over the candidates in the window
   ``[max(τ_max − 260, 0), τ_max]``, τ_max the largest candidate ≤ t_n, then the stochastic offset
@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from runtime.registry import Registry
 from tdd_jax.schedules import TDDSchedule
 
 TDD_WINDOW = 260  # hard-coded width of the reference's candidate window
@@ -68,17 +69,17 @@ def select_grid_timestep(key: jax.Array, t_n: jax.Array, grid: jax.Array) -> jax
     return _uniform_masked_choice(key, values, values <= t_n)
 
 
-SELECTORS = ("tdd", "tcd", "lcm")
+# ``build(schedule, s_ratio) -> (key, t_n) -> s``: one target-timestep selector per ``DistillConfig.selector``.
+SELECTORS: Registry[Callable[[TDDSchedule, float], Selector]] = Registry("target selector", "DistillConfig.selector")
+SELECTORS.register("tdd", lambda schedule, s_ratio: functools.partial(
+    select_target_timestep, candidates=schedule.candidates, s_ratio=s_ratio))
+SELECTORS.register("tcd", lambda schedule, s_ratio: functools.partial(select_grid_timestep,
+                                                                      grid=schedule.ddim_timesteps))
+SELECTORS.register("lcm", lambda schedule, s_ratio: select_origin)
 
 
 def make_selector(name: str, schedule: TDDSchedule, s_ratio: float = 0.3) -> Selector:
-    """The selector ``(key, t_n) -> s`` called ``name`` (one of ``SELECTORS``) on ``schedule``."""
+    """The selector ``(key, t_n) -> s`` registered as ``name`` in ``SELECTORS``, on ``schedule``."""
     if not 0.0 <= s_ratio < 1.0:
         raise ValueError(f"s_ratio must be in [0, 1), got {s_ratio}")
-    if name == "tdd":
-        return functools.partial(select_target_timestep, candidates=schedule.candidates, s_ratio=s_ratio)
-    if name == "tcd":
-        return functools.partial(select_grid_timestep, grid=schedule.ddim_timesteps)
-    if name == "lcm":
-        return select_origin
-    raise ValueError(f"selector must be one of {SELECTORS}, got {name!r}")
+    return SELECTORS.get(name, "selector")(schedule, s_ratio)

@@ -1,5 +1,7 @@
 """GAE, GRPO, bi-level GAE and KL-in-reward against plain NumPy loops (starpo.md §8, §10)."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,9 +9,10 @@ import numpy as np
 import pytest
 
 from runtime.mesh import MeshConfig, batch_sharding, make_mesh
-from starpo_jax.advantages import (apply_kl_penalty, compute_advantage, compute_bi_level_gae_advantage_return,
-                                   compute_gae_advantage_return, compute_grpo_outcome_advantage,
+from starpo_jax.advantages import (ADVANTAGE_ESTIMATORS, AdvantageInputs, apply_kl_penalty, compute_advantage,
+                                   compute_bi_level_gae_advantage_return, compute_gae_advantage_return, compute_grpo_outcome_advantage,
                                    weight_advantages_by_length)
+from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import filter_groups_by_reward_std
 from starpo_jax.losses import decoupled_clip_loss
 from starpo_jax.scores import normalize_scores, place_scores_on_last_token
@@ -220,21 +223,31 @@ def test_jitted_pipeline_on_sharded_batch_equals_single_device():
     assert sharded[1].shape == (8, length)
 
 
+def _estimate(name, rewards, values, mask, grpo_length_weight=False, **algorithm):
+    config = StarPOConfig(grpo_advantage_length_weight=grpo_length_weight)
+    config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, adv_estimator=name,
+                                                                       **algorithm))
+    zeros = np.zeros(mask.shape, np.float32)
+    inputs = AdvantageInputs(rewards, values, mask, np.arange(mask.shape[0]), zeros, zeros)
+    return compute_advantage(inputs, config)
+
+
 def test_compute_advantage_dispatches_on_the_estimator_name():
     rng = np.random.default_rng(7)
     mask = left_padded_mask(rng, 3, 6)
     rewards = np.zeros((3, 6))
     rewards[:, -1] = rng.normal(size=3)
     values = rng.normal(size=(3, 6))
-    gae = compute_advantage("gae", rewards, values, mask, gamma=0.9, lam=0.8)
+    gae = _estimate("gae", rewards, values, mask, gamma=0.9, lam=0.8)
     np.testing.assert_allclose(gae.returns, np_gae(rewards, values, mask, 0.9, 0.8)[1], atol=1e-5)
-    bi = compute_advantage("gae", rewards, values, mask, bi_level_gae=True, high_level_gamma=0.5)
+    bi = _estimate("gae", rewards, values, mask, bi_level_gae=True, high_level_gamma=0.5)
     np.testing.assert_allclose(bi.returns, np_bi_level(rewards, values, mask, 1.0, 1.0, 0.5)[1], atol=1e-5)
-    grpo = compute_advantage("grpo", rewards, None, mask, grpo_length_weight=True)
+    grpo = _estimate("grpo", rewards, None, mask, grpo_length_weight=True)
     lengths = mask.sum(-1)
     expected = rewards[:, -1:] * mask / ((lengths[:, None] + 1e-6) / lengths.mean())
     np.testing.assert_allclose(grpo.advantages, expected, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="adv_estimator"):
-        compute_advantage("rloo", rewards, values, mask)
+        _estimate("rloo", rewards, values, mask)
     with pytest.raises(ValueError, match="values"):
-        compute_advantage("gae", rewards, None, mask)
+        _estimate("gae", rewards, None, mask)
+    assert ADVANTAGE_ESTIMATORS["gae"].needs_critic and not ADVANTAGE_ESTIMATORS["grpo"].needs_critic

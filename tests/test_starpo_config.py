@@ -100,13 +100,28 @@ def test_overrides_in_ragen_form_and_cli():
     ("actor_rollout_ref.actor.clip_ratio=0.1", "clip_ratio"),
     ("actor_rollout_ref.actor.clip_ratio_high=abc", "clip-ratio-high"),
     ("trainer.total_training_steps=2.5", "total-training-steps"),
-    ("algorithm.adv_estimator=ppo", "adv-estimator"),
     ("actor_rollout_ref.actor.use_kl_loss=yes", "use-kl-loss"),
 ])
 def test_bad_overrides_exit_naming_the_field(override, field, capsys):
     with pytest.raises(SystemExit):
         load_config("starpo-s-ppo", [override])
     assert field in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,registered", [
+    ("algorithm.adv_estimator=ppo", "('gae', 'grpo'"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=gpg", "('vanilla'"),
+    ("critic.loss_mode=huber", "('clipped'"),
+    ("actor_rollout_ref.rollout.rollout_filter_type=mean", "('std', 'std_rev'"),
+    ("agent_proxy.reward_normalization.method=rank", "('identity', 'mean', 'mean_std', 'asym_clip'"),
+    ("critic.loss_agg_mode=sum", "('token-mean', 'seq-mean-token-mean'"),
+    ("algorithm.kl_penalty=k4", "('kl', 'k1', 'abs'"),
+])
+def test_unregistered_names_are_refused_listing_the_registry(override, registered):
+    key = override.split("=")[0]
+    with pytest.raises(ValueError, match=f"{key} must be one of ") as error:
+        load_config("starpo-s-ppo", [override])
+    assert registered in str(error.value)
 
 
 @pytest.mark.parametrize("field,value,error,match", [

@@ -18,7 +18,8 @@ from runtime.sharding import shard_state
 from starpo_jax.chat_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS, train_chat_tokenizer
 from starpo_jax.config import StarPOConfig, resolve, validate
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
-from starpo_jax.fused_rollout import build_env_tables, build_reward_table, fused_rollout, make_fused_rollout
+from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
+from starpo_jax.fused_tables import build_reward_table
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.transformer import CausalLM

@@ -4,7 +4,9 @@ Panels: success per environment (training rollouts, raw and EMA-smoothed as in
 the paper's curves, and held-out validation),
 trajectory reward mean ± std per environment, in-group reward std (all groups
 and the groups StarPO-S keeps), the actor's gradient norm and its token entropy —
-the signals the paper reads the collapse from (starpo.md §19). Written with
+the signals the paper reads the collapse from (starpo.md §19) — and, when the run
+logged RAGEN-2's collapse diagnostics, retrieval accuracy against its chance level and
+the MI z-score against the reasoning entropy (ragen2.md §3). Written with
 matplotlib's Agg backend, so no display is needed.
 """
 
@@ -20,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 
 from runtime.metrics import read_jsonl  # noqa: E402
+from starpo_jax.echo_trap import COLLAPSE_FAMILIES  # noqa: E402
 
 
 def series(rows: Sequence[dict[str, Any]], name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +55,8 @@ def plot_echo_trap(metrics_path: str | os.PathLike, png_path: str | os.PathLike,
     """Draws the six panels of a StarPO run to ``png_path``; returns the metric names it plotted."""
     rows = read_jsonl(metrics_path)
     tags = env_tags(rows)
-    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
+    families = [f for f in COLLAPSE_FAMILIES if any(f"{f}/mi_zscore_ema" in row for row in rows)]
+    figure, axes = plt.subplots(2, 4 if families else 3, figsize=(20 if families else 15, 8))
     plotted: list[str] = []
 
     def line(ax, name, label, smooth=False, **style):
@@ -79,9 +83,19 @@ def plot_echo_trap(metrics_path: str | os.PathLike, png_path: str | os.PathLike,
     line(axes[1, 1], "actor/entropy_loss", "actor")
     line(axes[1, 2], "actor/pg_clipfrac", "clip fraction")
     line(axes[1, 2], "actor/ppo_kl", "approx. KL")
-    titles = ("success", "trajectory reward", "in-group reward std", "gradient norm", "token entropy",
-              "PPO ratio diagnostics")
-    for ax, name in zip(axes.flat, titles):
+    titles = ["success", "trajectory reward", "in-group reward std", "gradient norm", "token entropy",
+              "PPO ratio diagnostics"]
+    panels = [axes[0, 0], axes[0, 1], axes[0, 2], axes[1, 0], axes[1, 1], axes[1, 2]]
+    for family in families:
+        label = family.removeprefix("collapse_").removesuffix("_sample").replace("_", "-")
+        line(axes[0, 3], f"{family}/retrieval_accuracy", f"{label} accuracy")
+        line(axes[0, 3], f"{family}/retrieval_chance_level", f"{label} chance", linestyle=":")
+        line(axes[1, 3], f"{family}/mi_zscore_ema", f"{label} MI z-score (EMA)")
+        line(axes[1, 3], f"{family}/conditional_entropy_est", f"{label} H(Z|X) per token", linestyle="--")
+    if families:
+        titles += ["prompt retrieval from reasoning", "MI z-score vs reasoning entropy"]
+        panels += [axes[0, 3], axes[1, 3]]
+    for ax, name in zip(panels, titles):
         ax.set_title(name)
         ax.set_xlabel("iteration")
         if ax.get_legend_handles_labels()[0]:

@@ -121,7 +121,10 @@ def test_echo_trap_plot_reads_every_panel_metric(tmp_path):
             *({"step": s, "train/Bandit/success": 0.1 * s, "train/Bandit/reward/mean": 0.2,
                "train/Bandit/reward/std": 0.1, "rollout/in_group_std": 0.3, "rollout/chosen_in_group_std": 0.4,
                "actor/grad_norm": "nan" if s == 2 else 1.0, "critic/grad_norm": 2.0, "actor/entropy_loss": 0.6,
-               "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0} for s in (1, 2, 3))]
+               "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0} for s in (1, 2, 3)),
+            *({"step": s, **{f"collapse_{f}_sample/{k}": 0.5 for f in ("first_turn", "trajectory")
+                             for k in ("retrieval_accuracy", "retrieval_chance_level", "mi_zscore_ema",
+                                       "conditional_entropy_est")}} for s in (1, 3))]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert env_tags(rows) == ["Bandit"]

@@ -41,7 +41,7 @@ def _reverse_scan_over_time(step, carry, *sequences):
 
 
 def compute_gae_advantage_return(token_level_rewards: jax.Array, values: jax.Array, loss_mask: jax.Array,
-                                 gamma: float, lam: float) -> AdvantageReturn:
+                                 gamma: float, lam: float, skip_non_response: bool = False) -> AdvantageReturn:
     """Token-level GAE with global masked whitening (verl ``compute_gae_advantage_return``, starpo.md §8.1).
 
     ``δ_t = r_t + γ·V_{t+1} − V_t`` (``V_T = 0``), ``A_t = δ_t + γλ·A_{t+1}``, run over every
@@ -49,15 +49,33 @@ def compute_gae_advantage_return(token_level_rewards: jax.Array, values: jax.Arr
     ``loss_mask`` with the unbiased masked variance. Values are multiplied by the loss mask
     first, as verl's ``compute_values`` does with RAGEN's ``response_mask := loss_mask``.
 
+    With ``skip_non_response`` (RAGEN-2's verl, ragen2.md §6.2) the recursion carries ``V`` and ``A``
+    only through loss-mask positions: ``δ_t = r_t + γ·carry_V − V_t``, ``A'_t = δ_t + γλ·carry_A``, the
+    carries take ``V_t`` and ``A'_t`` where ``m_t = 1``, and ``A_t`` is the carry after the update — so
+    discounting counts assistant tokens only and rewards off the mask are ignored.
+
     Args:
       token_level_rewards: ``(B, T)`` rewards (normalised scores, minus any KL penalty).
       values: ``(B, T)`` critic values; position ``t`` is the value of position ``t``.
       loss_mask: ``(B, T)`` 1 on trained positions.
       gamma: discount γ (RAGEN default 1.0).
       lam: GAE λ (RAGEN default 1.0).
+      skip_non_response: RAGEN-2's recursion (V1: every position).
     """
     rewards = jnp.asarray(token_level_rewards, jnp.float32)
     values = jnp.asarray(values, jnp.float32) * loss_mask
+    if skip_non_response:
+        def carried(carry, inputs):
+            next_value, next_advantage = carry
+            reward_t, value_t, mask_t = inputs
+            advantage = reward_t + gamma * next_value - value_t + gamma * lam * next_advantage
+            on = mask_t > 0
+            carry = (jnp.where(on, value_t, next_value), jnp.where(on, advantage, next_advantage))
+            return carry, carry[1]
+
+        zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+        advantages = _reverse_scan_over_time(carried, (zeros, zeros), rewards, values, jnp.asarray(loss_mask))
+        return AdvantageReturn(masked_whiten(advantages, loss_mask), advantages + values)
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
     deltas = rewards + gamma * next_values - values
 
@@ -79,6 +97,30 @@ def compute_grpo_outcome_advantage(token_level_rewards: jax.Array, loss_mask: ja
     """
     scores = jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1, keepdims=True)
     advantages = scores * loss_mask
+    return AdvantageReturn(advantages, advantages)
+
+
+def compute_grpo_group_advantage(token_level_rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array,
+                                 norm_adv_by_std: bool = True, epsilon: float = 1e-6) -> AdvantageReturn:
+    """GRPO over initial-state groups, computed in the trainer as RAGEN-2 does (ragen2.md §6.2).
+
+    ``s_i = Σ_t r_{i,t}``; per group of ``group_ids``: mean and unbiased std (mean 0 and std 1 for a
+    group of one); ``A_i = (s_i − mean) / (std + ε)``, or ``s_i − mean`` without
+    ``norm_adv_by_std`` (Dr. GRPO, Liu et al. 2025). ``advantages = returns = A_i · mask``. Group ids
+    may be any integers (they are renumbered inside), so filtered and duplicated rows work.
+    """
+    scores = jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1)
+    rows = scores.shape[0]
+    _, groups = jnp.unique(jnp.asarray(group_ids), return_inverse=True, size=rows)
+    groups = groups.reshape(-1)
+    counts = jax.ops.segment_sum(jnp.ones_like(scores), groups, rows)
+    mean = jax.ops.segment_sum(scores, groups, rows) / jnp.maximum(counts, 1.0)
+    centred = scores - mean[groups]
+    std = jnp.sqrt(jax.ops.segment_sum(centred ** 2, groups, rows) / jnp.maximum(counts - 1.0, 1.0))
+    single = counts[groups] == 1
+    centred = jnp.where(single, scores, centred)
+    advantage = centred / (jnp.where(single, 1.0, std[groups]) + epsilon) if norm_adv_by_std else centred
+    advantages = advantage[:, None] * loss_mask
     return AdvantageReturn(advantages, advantages)
 
 

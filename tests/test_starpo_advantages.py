@@ -10,7 +10,8 @@ import pytest
 
 from runtime.mesh import MeshConfig, batch_sharding, make_mesh
 from starpo_jax.advantages import (ADVANTAGE_ESTIMATORS, AdvantageInputs, apply_kl_penalty, compute_advantage,
-                                   compute_bi_level_gae_advantage_return, compute_gae_advantage_return, compute_grpo_outcome_advantage,
+                                   compute_bi_level_gae_advantage_return, compute_gae_advantage_return,
+                                   compute_grpo_group_advantage, compute_grpo_outcome_advantage,
                                    weight_advantages_by_length)
 from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import filter_groups_by_reward_std
@@ -251,3 +252,66 @@ def test_compute_advantage_dispatches_on_the_estimator_name():
     with pytest.raises(ValueError, match="values"):
         _estimate("gae", rewards, None, mask)
     assert ADVANTAGE_ESTIMATORS["gae"].needs_critic and not ADVANTAGE_ESTIMATORS["grpo"].needs_critic
+
+
+# --- RAGEN-2 (ragen2.md §6.2) -------------------------------------------------------------------------------------
+
+def numpy_gae_skipping_non_response(rewards, values, mask, gamma, lam):
+    values = values * mask
+    advantages = np.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        carry_v = carry_a = 0.0
+        for t in reversed(range(rewards.shape[1])):
+            delta = rewards[b, t] + gamma * carry_v - values[b, t]
+            a = delta + gamma * lam * carry_a
+            if mask[b, t]:
+                carry_v, carry_a = values[b, t], a
+            advantages[b, t] = carry_a
+    return advantages, advantages + values
+
+
+def test_v2_gae_carries_values_and_advantages_through_response_positions_only():
+    rng = np.random.default_rng(4)
+    rewards = rng.normal(size=(3, 9)).astype(np.float32)
+    values = rng.normal(size=(3, 9)).astype(np.float32)
+    mask = (rng.random((3, 9)) < 0.6).astype(np.float32)
+    mask[:, -1] = 1.0
+    out = compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8, skip_non_response=True)
+    advantages, returns = numpy_gae_skipping_non_response(rewards, values, mask, 0.9, 0.8)
+    np.testing.assert_allclose(np.asarray(out.returns), returns, rtol=1e-5, atol=1e-5)
+    on = mask > 0
+    whitened = (advantages - advantages[on].mean()) / np.sqrt(advantages[on].var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(np.asarray(out.advantages)[on], whitened[on], rtol=1e-4, atol=1e-5)
+    v1 = compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8)
+    assert not np.allclose(np.asarray(v1.returns), returns)  # γ, λ < 1: the two recursions differ
+    reward_at_end = np.zeros((2, 6), np.float32)
+    reward_at_end[:, -1] = [1.0, 3.0]
+    values_2 = rng.normal(size=(2, 6)).astype(np.float32)
+    mask_2 = np.array([[0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 1, 1]], np.float32)
+    same = [compute_gae_advantage_return(reward_at_end, values_2, mask_2, 1.0, 1.0, skip_non_response=s)
+            for s in (False, True)]
+    np.testing.assert_allclose(np.asarray(same[0].returns) * mask_2, np.asarray(same[1].returns) * mask_2, atol=1e-5)
+
+
+def test_grpo_per_group_and_dr_grpo_against_numpy():
+    scores = np.array([1.0, 0.0, 1.0, 1.0, 2.0, 5.0, 7.0], np.float32)
+    groups = np.array([4, 4, 4, 9, 9, 2, 2])  # any ids; the lone group below gets mean 0, std 1
+    rewards = np.zeros((8, 3), np.float32)
+    rewards[:7, -1] = scores
+    rewards[7, -1] = 3.0
+    groups = np.append(groups, 11)
+    mask = np.ones((8, 3), np.float32)
+    mask[0, 0] = 0.0
+    out = compute_grpo_group_advantage(rewards, mask, groups)
+    expected = []
+    for i, g in enumerate(groups):
+        members = rewards[groups == g, -1]
+        mean, std = (0.0, 1.0) if len(members) == 1 else (members.mean(), members.std(ddof=1))
+        expected.append((rewards[i, -1] - mean) / (std + 1e-6))
+    np.testing.assert_allclose(np.asarray(out.advantages), np.asarray(expected)[:, None] * mask, rtol=1e-5, atol=1e-6)
+    dr = compute_grpo_group_advantage(rewards, mask, groups, norm_adv_by_std=False)
+    centred = [rewards[i, -1] - (0.0 if (groups == g).sum() == 1 else rewards[groups == g, -1].mean())
+               for i, g in enumerate(groups)]
+    np.testing.assert_allclose(np.asarray(dr.advantages), np.asarray(centred)[:, None] * mask, rtol=1e-6)
+    equal = compute_grpo_group_advantage(np.ones((4, 2), np.float32), np.ones((4, 2)), np.array([0, 0, 1, 1]))
+    assert np.all(np.asarray(equal.advantages) == 0.0)

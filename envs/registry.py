@@ -18,10 +18,20 @@ from typing import Any, Mapping
 from envs.bandit import Bandit
 from envs.countdown import Countdown
 from envs.frozen_lake import FrozenLake
+from envs.coord import COORD_FROZEN_LAKE_INSTRUCTION, COORD_SOKOBAN_INSTRUCTION, CoordFrozenLake, CoordSokoban
+from envs.game_2048 import Game2048
+from envs.rubiks_cube import RubiksCube
 from envs.sokoban import DIFFERENT_GRID_LOOKUP, Sokoban
+from envs.sudoku import SudokuEnv
 
 # RAGEN's ``env_type`` names.
 ENV_TYPES: dict[str, type] = {"bandit": Bandit, "sokoban": Sokoban, "frozen_lake": FrozenLake, "countdown": Countdown}
+# RAGEN-2's types (ragen2.md §7); its ``sokoban`` / ``frozen_lake`` with V2 keys are ``coord_*`` here.
+ENV_TYPES["coord_sokoban"] = CoordSokoban
+ENV_TYPES["coord_frozen_lake"] = CoordFrozenLake
+ENV_TYPES["game_2048"] = Game2048
+ENV_TYPES["rubikscube"] = RubiksCube
+ENV_TYPES["sudoku"] = SudokuEnv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,23 @@ CUSTOM_ENVS: dict[str, EnvEntry] = {
                                                   grid_lookup=DIFFERENT_GRID_LOOKUP),
     "FrozenLake": EnvEntry.of_type("frozen_lake"),
     "Countdown": EnvEntry.of_type("countdown"),
+}
+# RAGEN-2's tags (``config/envs.yaml``, ragen2.md §7); its ``FrozenLake`` / ``Bandit`` redefinitions are in
+# ``CUSTOM_ENVS_V2`` (the V1 tags keep their names here).
+CUSTOM_ENVS["CoordSokoban"] = EnvEntry("coord_sokoban", 10, COORD_SOKOBAN_INSTRUCTION, 120, dict(
+    dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300, observation_format="grid_coord"))
+CUSTOM_ENVS["CoordFrozenLake"] = EnvEntry("coord_frozen_lake", 10, COORD_FROZEN_LAKE_INSTRUCTION, 120, dict(
+    observation_format="grid_coord", success_rate=0.8))
+CUSTOM_ENVS["game_2048"] = EnvEntry.of_type("game_2048")
+CUSTOM_ENVS["rubikscube"] = EnvEntry.of_type("rubikscube", scramble_depth=1, max_steps=20)
+CUSTOM_ENVS["SimpleSudoku"] = EnvEntry.of_type("sudoku", grid_size=9, difficulty="easy", render_format="with_feedback",
+                                               show_conflicts=True, show_valid_numbers=True, max_steps=81)
+CUSTOM_ENVS["MediumSudoku"] = dataclasses.replace(CUSTOM_ENVS["SimpleSudoku"], max_actions_per_traj=30,
+                                                  env_config={**CUSTOM_ENVS["SimpleSudoku"].env_config,
+                                                              "difficulty": "medium"})
+CUSTOM_ENVS_V2: dict[str, EnvEntry] = {
+    **CUSTOM_ENVS,
+    "FrozenLake": EnvEntry("coord_frozen_lake", 10, FrozenLake.env_instruction, 100, dict(success_rate=0.8)),
 }
 
 

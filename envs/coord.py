@@ -1,0 +1,106 @@
+"""RAGEN-2's coordinate observations: ``CoordSokoban`` and ``CoordFrozenLake`` (ragen2.md §7.1, §7.2).
+
+``observation_format`` is ``grid`` (V1), ``coord`` (the coordinates block alone) or ``grid_coord``
+(``"Coordinates: \\n" + block + "\\nGrid Map: \\n" + grid``). FrozenLake also takes RAGEN-2's ``success_rate``.
+"""
+
+import jax
+import numpy as np
+
+from envs.base import render_grid
+from envs.frozen_lake import GOAL, HOLE, START, FrozenLake, FrozenLakeParams
+from envs.sokoban import Sokoban
+from envs.sokoban_generation import BOX, BOX_ON_TARGET, PLAYER, TARGET
+
+FORMATS = ("grid", "coord", "grid_coord")
+COORD_SOKOBAN_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n"
+    "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). \n"
+    "When you are exactly next to a box, you can push it by moving in the same direction. \n"
+    "You cannot push a box through a wall, and you cannot pull a box.\n"
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+COORD_FROZEN_LAKE_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. The observation includes both a symbol grid and zero-indexed coordinates "
+    "for the start, goal, player, and any holes.\n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5).\n"
+    "Beware that the ice is slippery, so the agent might slide and end up in an unintended tile.\n"
+    "Respond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n"
+)
+
+
+def _check_format(observation_format: str) -> str:
+    if observation_format not in FORMATS:
+        raise ValueError(f"observation_format must be one of {FORMATS}, got {observation_format!r}")
+    return observation_format
+
+
+def coordinate_block(shape, groups) -> str:
+    """``Board size: …`` then ``{label}: (r, c), …`` for each non-empty ``(label, mask)`` group."""
+    lines = [f"Board size: {shape[0]} rows x {shape[1]} cols (zero-indexed)."]
+    for label, mask in groups:
+        cells = np.argwhere(mask)
+        if len(cells):
+            lines.append(f"{label}: " + ", ".join(f"({r}, {c})" for r, c in cells))
+    return "\n".join(lines)
+
+
+def compose(observation_format: str, block: str, grid: str) -> str:
+    if observation_format == "grid":
+        return grid
+    if observation_format == "coord":
+        return block
+    return "Coordinates: \n" + block + "\n" + "Grid Map: \n" + grid
+
+
+class CoordSokoban(Sokoban):
+    """Sokoban rendered in one of RAGEN-2's formats (``grid_coord`` for the ``CoordSokoban`` tag)."""
+
+    def __init__(self, dim_room: tuple[int, int] = (6, 6), num_boxes: int = 1, search_depth: int = 300,
+                 max_steps: int = 100, observation_format: str = "grid", generator: str = "reverse_play"):
+        super().__init__(dim_room, num_boxes, search_depth, generator=generator, max_steps=max_steps)
+        self.observation_format = _check_format(observation_format)
+
+    def render_text(self, state) -> str:
+        fixed, room = np.asarray(jax.device_get(state.room_fixed)), np.asarray(jax.device_get(state.room_state))
+        target = fixed == TARGET
+        block = coordinate_block(room.shape, [("Targets", target), ("Boxes", room == BOX),
+                                              ("Boxes on target", room == BOX_ON_TARGET),
+                                              ("Player", (room == PLAYER) & ~target),
+                                              ("Player on target", (room == PLAYER) & target)])
+        return compose(self.observation_format, block, render_grid(self.observe(state), self.grid_lookup))
+
+
+class CoordFrozenLake(FrozenLake):
+    """RAGEN-2's FrozenLake: ``p`` 0.9, gymnasium's ``success_rate`` slip law and the coordinate formats."""
+
+    def __init__(self, size: int = 4, p: float = 0.9, is_slippery: bool = True, success_rate: float = 0.8,
+                 observation_format: str = "grid"):
+        super().__init__(size, p, is_slippery)
+        if not 0.0 <= success_rate <= 1.0:
+            raise ValueError(f"success_rate must be a probability in [0, 1], got {success_rate!r}")
+        self.params = FrozenLakeParams(p=self.params.p, is_slippery=self.params.is_slippery,
+                                       success_rate=float(success_rate))
+        self.observation_format = _check_format(observation_format)
+
+    def render_text(self, state) -> str:
+        desc = np.asarray(jax.device_get(state.desc))
+        here = np.zeros(desc.shape, bool)
+        here.ravel()[int(state.position)] = True
+        tile = desc.ravel()[int(state.position)]
+        player = "Player on goal" if tile == GOAL else "Player in hole" if tile == HOLE else "Player"
+        block = coordinate_block(desc.shape, [("Start", desc == START), ("Goal", desc == GOAL), (player, here),
+                                              ("Holes", desc == HOLE)])
+        return compose(self.observation_format, block, render_grid(self.observe(state), self.grid_lookup))
+
+
+def slipper_success_rate(slipper_rate) -> float:
+    """``success_rate`` of a slipper-sweep rate: ``50``, ``0.5`` and ``"50%"`` all mean half (``1 - rate``)."""
+    text = str(slipper_rate).strip().rstrip("%")
+    rate = float(text)
+    if str(slipper_rate).strip().endswith("%") or rate > 1:
+        rate /= 100
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"slipper_rate must be in [0, 100]%, got {slipper_rate!r}")
+    return float(f"{1 - rate:.6f}")

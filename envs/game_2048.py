@@ -4,10 +4,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from gymnax.environments import spaces
 
 from envs.base import TextEnvironment, check_positive_int, step_info
+from envs.text_pieces import PieceRenderer, build_piece_renderer
 
 GAME_2048_INSTRUCTION = (
     "You are playing the 2048 game on a 4x4 grid. Merge equal tiles by sliding Up, Right, Down, or Left.\n"
@@ -169,11 +171,51 @@ class Game2048(TextEnvironment):
         Tiles sum to at most ``8 + 4 * max_actions_per_traj`` (two spawns, then one per move), and merge
         sums are multiples of 4 up to that.
         """
-        bound = 8 + 4 * self.max_actions_per_traj
+        bound = tile_sum_bound(self.max_actions_per_traj)
         values = [0.0] if params.use_log_reward else [params.invalid_act_score, 0.0]
         if params.use_log_reward:
             return tuple(values + [float(jnp.float32(log_reward(m))) for m in range(4, bound + 1, 4)])
         return tuple(values + [float(m) for m in range(4, bound + 1, 4)])
+
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, num_checks: int = 64) -> PieceRenderer:
+        """Slots: each cell (with the row text before it), the valid-action line and the score.
+
+        Within ``max_actions_per_traj`` moves tiles are at most the largest power of two under the tile-sum
+        bound and the score at most ``bound * (log2(bound) - 1)`` (each merge into 2v adds 2v to the score
+        and ``v (log2 v - 1)`` summed over tiles grows by exactly that).
+        """
+        bound = tile_sum_bound(max_actions_per_traj)
+        top = int(math.log2(bound))
+        tiles = [0] + [2 ** j for j in range(1, top + 1)]
+        max_score = bound * (top - 1)
+        slots = []
+        for r in range(SIZE):
+            head = "Current 2048 Grid:\nRow 1: [" if r == 0 else f"]\nRow {r + 1}: ["
+            slots.append([f"{head}{v}" for v in tiles])
+            slots += [[f", {v}" for v in tiles] for _ in range(SIZE - 1)]
+        valid = []
+        for mask in range(16):
+            names = [f"{a}({ACTION_NAMES[a]})" for a in range(4) if mask >> a & 1]
+            valid.append(f"]\n\nValid Actions: {', '.join(names) if names else 'None'}.\n"
+                         "Goal: Merge same numbers to reach 2048.\nCurrent Score:")
+        slots += [valid, [f" {s}\nWhat is your next move?\n" for s in range(0, max_score + 1, 4)]]
+
+        def index_of(obs):
+            cells = jnp.where(obs[:16] > 0, jnp.round(jnp.log2(jnp.maximum(obs[:16], 1))), 0).astype(jnp.int32)
+            flags = jnp.sum(obs[17:] << jnp.arange(4))
+            return jnp.concatenate([jnp.minimum(cells, top), flags[None], jnp.minimum(obs[16:17] // 4, max_score // 4)])
+
+        rng = np.random.default_rng(0)
+        grids = np.where(rng.random((num_checks, 16)) < 0.7, 2 ** rng.integers(1, top + 1, (num_checks, 16)), 0)
+        sample = np.concatenate([grids, 4 * rng.integers(0, max_score // 4 + 1, (num_checks, 1)),
+                                 rng.integers(0, 2, (num_checks, 4))], axis=1).astype(np.int32)
+        return build_piece_renderer(self, tokenizer, slots, index_of, sample, render_2048)
+
+
+def tile_sum_bound(max_actions: int) -> int:
+    """The largest tile sum after ``max_actions`` moves: two spawns at reset, one per move, each at most 4."""
+    return 8 + 4 * max_actions
 
 
 def render_2048(obs) -> str:

@@ -4,6 +4,8 @@ The sticker permutations are the reference's ``_move_*`` definitions copied exac
 physically consistent cube is not checked there, nor here). ``solution_depth`` is a host BFS validator.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from flax import struct
 from gymnax.environments import spaces
 
 from envs.base import TextEnvironment, check_positive_int, step_info
+from envs.text_pieces import PieceRenderer, build_piece_renderer
 
 CUBE_INSTRUCTION = (
     "You are solving a 2x2 Rubik's Cube (Pocket Cube). The goal is to restore the cube so that each of the faces "
@@ -127,6 +130,32 @@ class RubiksCube(TextEnvironment):
 
     def step_reward_values(self, params) -> tuple[float, ...]:
         return (0.0, 1.0)
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, num_checks: int = 64) -> PieceRenderer:
+        """Slots: the header with the step count, each face's 6**4 colourings, the action list."""
+        max_steps = params.max_steps_in_episode
+        header = [f"=== Rubik's Cube 2x2 State ===\nStep: {k}/{max_steps}\n\n" for k in range(max_steps + 1)]
+        faces = []
+        for face in range(6):
+            end = "\n\n" if face == 5 else "\n"
+            stickers = np.zeros(24, np.int32)
+            variants = []
+            for combo in itertools.product(range(6), repeat=4):
+                stickers[4 * face:4 * face + 4] = combo
+                variants.append(face_text(stickers, face) + end)
+            faces.append(variants)
+        tail = ["Available Actions:\n" + ", ".join(ACTION_NAMES) + "\n\nWhat is your next move?\n"]
+        radix = 6 ** jnp.arange(3, -1, -1)
+
+        def index_of(obs):
+            colourings = (obs[:24].reshape(6, 4) * radix).sum(axis=1)
+            return jnp.concatenate([jnp.minimum(obs[24:], max_steps), colourings, jnp.zeros(1, jnp.int32)])
+
+        rng = np.random.default_rng(0)
+        sample = np.concatenate([rng.integers(0, 6, (num_checks, 24)), rng.integers(0, max_steps + 1, (num_checks, 1))],
+                                axis=1).astype(np.int32)
+        return build_piece_renderer(self, tokenizer, [header, *faces, tail], index_of, sample,
+                                    lambda obs: render_cube(obs, max_steps))
 
 
 def face_text(stickers, face: int) -> str:

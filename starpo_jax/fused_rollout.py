@@ -49,6 +49,8 @@ NUM_TABLE_RESETS = 64  # resets enumerating a gridless environment's states (Ban
 
 def step_reward_values(env: Any, params: Any) -> tuple[float, ...]:
     """Every float32 reward one ``step_env`` can return (the reward-text automaton's alphabet)."""
+    if hasattr(env, "step_reward_values"):
+        return env.step_reward_values(params)
     if isinstance(env, Bandit):
         return (params.lo_arm_score, params.hi_arm_loscore, params.hi_arm_hiscore)
     if isinstance(env, FrozenLake):
@@ -129,6 +131,8 @@ class TextStates(NamedTuple):
 
 def state_tokens(renderer: GridRenderer | TextStates, obs: jax.Array, actions_left: jax.Array):
     """Tokens of the state text and its newline (with the budget piece for a ``TextStates``)."""
+    if hasattr(renderer, "tokens"):
+        return renderer.tokens(obs, actions_left)
     if isinstance(renderer, GridRenderer):
         return render_tokens(renderer, obs)
     flat = renderer.obs.reshape(renderer.obs.shape[0], -1)
@@ -183,12 +187,13 @@ def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params
     budget = env.max_actions_per_traj
     encode = lambda texts: [list(r) for r in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
     rewards, reward_texts = build_reward_table(env, params, tokenizer, min(settings.max_actions_per_turn, budget))
-    grid = hasattr(env, "grid_lookup")
+    pieces = hasattr(env, "state_renderer")
+    grid = pieces or hasattr(env, "grid_lookup")
     states, obs = _states(env, params, NUM_CHECKED_STATES if grid else NUM_TABLE_RESETS)
     state_texts = [env.render_text(s) for s in states]
     if grid:
-        renderer = build_grid_renderer(env, tokenizer)
-        ids, lengths = jax.vmap(lambda o: render_tokens(renderer, o))(jnp.asarray(obs))
+        renderer = env.state_renderer(tokenizer, params, budget) if pieces else build_grid_renderer(env, tokenizer)
+        ids, lengths = jax.vmap(lambda o: state_tokens(renderer, o, budget))(jnp.asarray(obs))
         state_ids = [list(np.asarray(i)[:n]) for i, n in zip(ids, np.asarray(lengths))]
     else:  # every distinct reset state; a step always ends Bandit, so no later state is ever shown
         rows = sorted({text: i for i, text in reversed(list(enumerate(state_texts)))}.values())

@@ -1,0 +1,71 @@
+"""2048 and the 2x2 cube in the fused driver: the same trajectories as the host driver (greedy, same seeds)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import envs
+from envs.text import env_prefix
+from starpo_jax.chat_tokenizer import train_chat_tokenizer
+from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
+from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
+from starpo_jax.models.config import TransformerConfig
+from starpo_jax.models.kv_cache import init_cache
+from starpo_jax.models.transformer import CausalLM
+from starpo_jax.rollout import RolloutSettings, host_rollout
+from starpo_jax.sampler import SamplerConfig, make_sampler
+from starpo_jax.trajectory import render_chat
+from test_starpo_fused_rollout import assert_same, chain_params
+
+TAGS = ("Short2048", "rubikscube")
+ROWS = (2, 2)
+SEEDS = (3, 4, 5, 6)
+RESPONSE = "go</think><answer>Up || U</answer>"  # valid in one game, a format penalty in the other
+NEW_TOKENS = 12
+SETTINGS = RolloutSettings(max_turn=3, max_model_len=1536, train_on_sampled_ids=True, bucket=256,
+                           max_actions_per_turn=2)
+CUSTOM_ENVS = {**envs.CUSTOM_ENVS,
+               "Short2048": dataclasses.replace(envs.CUSTOM_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50)}
+
+
+def make_slots():
+    tags = [b for b, n in enumerate(ROWS) for _ in range(n)]
+    return [reset_slot(GymnaxHostEnv(envs.make(TAGS[tag], CUSTOM_ENVS)), seed, group, tag)
+            for group, (seed, tag) in enumerate(zip(SEEDS, tags))]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    slots = make_slots()
+    corpus = [render_chat(s.prefix, s.history)[1]["content"] for s in slots] * 5 + [env_prefix(s.env) for s in slots]
+    tokenizer = train_chat_tokenizer(corpus + [f"<think>{RESPONSE}"] * 20, tmp_path_factory.mktemp("tok"),
+                                     vocab_size=1024)
+    config = TransformerConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                               num_heads=4, num_kv_heads=2, head_dim=8)
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(0)))
+    chain = [tokenizer.convert_tokens_to_ids("<think>")] + tokenizer.encode(RESPONSE) + [tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain), "the chain model needs distinct tokens"
+    sampler_config = SamplerConfig(max_new_tokens=NEW_TOKENS, greedy=True, stop_ids=(tokenizer.eos_token_id,),
+                                   pad_id=tokenizer.pad_token_id)
+    tables = [build_env_tables(envs.make(t, CUSTOM_ENVS), tokenizer, SETTINGS) for t in TAGS]
+    fused = make_fused_rollout(graphdef, config, sampler_config, tables, ROWS, tokenizer, SETTINGS)
+    return dict(tokenizer=tokenizer, config=config, params=chain_params(params, chain, config), fused=fused,
+                host_sampler=make_sampler(graphdef, sampler_config))
+
+
+def test_fused_equals_host_on_2048_and_the_cube(setup):
+    slots = make_slots()
+    cache = init_cache(setup["config"], len(slots), SETTINGS.max_model_len + NEW_TOKENS)
+    host = host_rollout(setup["host_sampler"], setup["params"], setup["tokenizer"], slots, cache, jax.random.key(7),
+                        SETTINGS)
+    out = fused_rollout(setup["fused"], setup["params"], setup["tokenizer"], SEEDS, range(len(SEEDS)),
+                        jax.random.key(7))
+    assert_same(*out, host, slots)
+    assert all(s.num_actions > 0 for s in slots) and all(s.penalty < 0 for s in slots)
+    text = setup["tokenizer"].decode(out.trajectory.input_ids[0])
+    assert "Current 2048 Grid:" in text and text.count("<|im_start|>assistant\n<think>") >= 2
+    assert np.mean([m["action_is_valid"] for m in out.metrics]) > 0

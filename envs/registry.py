@@ -22,6 +22,7 @@ from envs.coord import COORD_FROZEN_LAKE_INSTRUCTION, COORD_SOKOBAN_INSTRUCTION,
 from envs.game_2048 import Game2048
 from envs.rubiks_cube import RubiksCube
 from envs.sokoban import DIFFERENT_GRID_LOOKUP, Sokoban
+from envs.static_qa import MetaMathQA
 from envs.sudoku import SudokuEnv
 
 # RAGEN's ``env_type`` names.
@@ -32,6 +33,7 @@ ENV_TYPES["coord_frozen_lake"] = CoordFrozenLake
 ENV_TYPES["game_2048"] = Game2048
 ENV_TYPES["rubikscube"] = RubiksCube
 ENV_TYPES["sudoku"] = SudokuEnv
+ENV_TYPES["metamathqa"] = MetaMathQA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,7 @@ CUSTOM_ENVS["SimpleSudoku"] = EnvEntry.of_type("sudoku", grid_size=9, difficulty
 CUSTOM_ENVS["MediumSudoku"] = dataclasses.replace(CUSTOM_ENVS["SimpleSudoku"], max_actions_per_traj=30,
                                                   env_config={**CUSTOM_ENVS["SimpleSudoku"].env_config,
                                                               "difficulty": "medium"})
+CUSTOM_ENVS["MetamathQA"] = EnvEntry.of_type("metamathqa")
 CUSTOM_ENVS_V2: dict[str, EnvEntry] = {
     **CUSTOM_ENVS,
     "FrozenLake": EnvEntry("coord_frozen_lake", 10, FrozenLake.env_instruction, 100, dict(success_rate=0.8)),

@@ -25,7 +25,7 @@ ROWS = (2, 2)
 SEEDS = (3, 4, 5, 6)
 RESPONSE = "go</think><answer>Up || U</answer>"  # valid in one game, a format penalty in the other
 NEW_TOKENS = 12
-SETTINGS = RolloutSettings(max_turn=3, max_model_len=1536, train_on_sampled_ids=True, bucket=256,
+SETTINGS = RolloutSettings(max_turn=2, max_model_len=1024, train_on_sampled_ids=True, bucket=1024,
                            max_actions_per_turn=2)
 CUSTOM_ENVS = {**envs.CUSTOM_ENVS,
                "Short2048": dataclasses.replace(envs.CUSTOM_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50)}

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from envs.base import render_grid
+from envs.tokens import build_grid_renderer
 from envs.frozen_lake import GOAL, HOLE, START, FrozenLake, FrozenLakeParams
 from envs.sokoban import Sokoban
 from envs.sokoban_generation import BOX, BOX_ON_TARGET, PLAYER, TARGET
@@ -46,6 +47,14 @@ def coordinate_block(shape, groups) -> str:
     return "\n".join(lines)
 
 
+def grid_only_renderer(env, tokenizer):
+    """The fused driver's renderer: the grid format only (coordinates are rendered on the host)."""
+    if env.observation_format != "grid":
+        raise ValueError(f"{env.tag}: observation_format={env.observation_format!r} has no on-device renderer; "
+                         "set agent_proxy.rollout_driver=host (or observation_format=grid)")
+    return build_grid_renderer(env, tokenizer)
+
+
 def compose(observation_format: str, block: str, grid: str) -> str:
     if observation_format == "grid":
         return grid
@@ -55,10 +64,14 @@ def compose(observation_format: str, block: str, grid: str) -> str:
 
 
 class CoordSokoban(Sokoban):
-    """Sokoban rendered in one of RAGEN-2's formats (``grid_coord`` for the ``CoordSokoban`` tag)."""
+    """RAGEN-2's Sokoban, rendered in one of its formats; the defaults are the ``CoordSokoban`` tag's."""
+
+    tag = "CoordSokoban"
+    env_instruction = COORD_SOKOBAN_INSTRUCTION
+    max_tokens = 120
 
     def __init__(self, dim_room: tuple[int, int] = (6, 6), num_boxes: int = 1, search_depth: int = 300,
-                 max_steps: int = 100, observation_format: str = "grid", generator: str = "reverse_play"):
+                 max_steps: int = 100, observation_format: str = "grid_coord", generator: str = "reverse_play"):
         super().__init__(dim_room, num_boxes, search_depth, generator=generator, max_steps=max_steps)
         self.observation_format = _check_format(observation_format)
 
@@ -71,12 +84,22 @@ class CoordSokoban(Sokoban):
                                               ("Player on target", (room == PLAYER) & target)])
         return compose(self.observation_format, block, render_grid(self.observe(state), self.grid_lookup))
 
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
+        return grid_only_renderer(self, tokenizer)
+
 
 class CoordFrozenLake(FrozenLake):
-    """RAGEN-2's FrozenLake: ``p`` 0.9, gymnasium's ``success_rate`` slip law and the coordinate formats."""
+    """RAGEN-2's FrozenLake: ``p`` 0.9, gymnasium's ``success_rate`` slip law and the coordinate formats.
+
+    The defaults are the ``CoordFrozenLake`` tag's.
+    """
+
+    tag = "CoordFrozenLake"
+    env_instruction = COORD_FROZEN_LAKE_INSTRUCTION
+    max_tokens = 120
 
     def __init__(self, size: int = 4, p: float = 0.9, is_slippery: bool = True, success_rate: float = 0.8,
-                 observation_format: str = "grid"):
+                 observation_format: str = "grid_coord"):
         super().__init__(size, p, is_slippery)
         if not 0.0 <= success_rate <= 1.0:
             raise ValueError(f"success_rate must be a probability in [0, 1], got {success_rate!r}")
@@ -93,6 +116,12 @@ class CoordFrozenLake(FrozenLake):
         block = coordinate_block(desc.shape, [("Start", desc == START), ("Goal", desc == GOAL), (player, here),
                                               ("Holes", desc == HOLE)])
         return compose(self.observation_format, block, render_grid(self.observe(state), self.grid_lookup))
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
+        return grid_only_renderer(self, tokenizer)
+
+    def step_reward_values(self, params) -> tuple[float, ...]:
+        return (0.0, 1.0)
 
 
 def slipper_success_rate(slipper_rate) -> float:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from envs.bandit import Bandit
 from envs.countdown import Countdown
 from envs.frozen_lake import FrozenLake
-from envs.coord import COORD_FROZEN_LAKE_INSTRUCTION, COORD_SOKOBAN_INSTRUCTION, CoordFrozenLake, CoordSokoban
+from envs.coord import CoordFrozenLake, CoordSokoban
 from envs.game_2048 import Game2048
 from envs.rubiks_cube import RubiksCube
 from envs.sokoban import DIFFERENT_GRID_LOOKUP, Sokoban
@@ -72,23 +72,21 @@ CUSTOM_ENVS: dict[str, EnvEntry] = {
     "FrozenLake": EnvEntry.of_type("frozen_lake"),
     "Countdown": EnvEntry.of_type("countdown"),
 }
-# RAGEN-2's tags (``config/envs.yaml``, ragen2.md §7); its ``FrozenLake`` / ``Bandit`` redefinitions are in
-# ``CUSTOM_ENVS_V2`` (the V1 tags keep their names here).
-CUSTOM_ENVS["CoordSokoban"] = EnvEntry("coord_sokoban", 10, COORD_SOKOBAN_INSTRUCTION, 120, dict(
-    dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300, observation_format="grid_coord"))
-CUSTOM_ENVS["CoordFrozenLake"] = EnvEntry("coord_frozen_lake", 10, COORD_FROZEN_LAKE_INSTRUCTION, 120, dict(
-    observation_format="grid_coord", success_rate=0.8))
-CUSTOM_ENVS["game_2048"] = EnvEntry.of_type("game_2048")
-CUSTOM_ENVS["rubikscube"] = EnvEntry.of_type("rubikscube", scramble_depth=1, max_steps=20)
-CUSTOM_ENVS["SimpleSudoku"] = EnvEntry.of_type("sudoku", grid_size=9, difficulty="easy", render_format="with_feedback",
-                                               show_conflicts=True, show_valid_numbers=True, max_steps=81)
-CUSTOM_ENVS["MediumSudoku"] = dataclasses.replace(CUSTOM_ENVS["SimpleSudoku"], max_actions_per_traj=30,
-                                                  env_config={**CUSTOM_ENVS["SimpleSudoku"].env_config,
-                                                              "difficulty": "medium"})
-CUSTOM_ENVS["MetamathQA"] = EnvEntry.of_type("metamathqa")
+# RAGEN-2's new tags (``config/envs.yaml``, ragen2.md §7-8): each type's defaults are its tag's, so a tag is
+# also ``custom_envs.<Tag>.env_type=<type>`` plus the keys below (``starpo_jax.ragen2_presets`` defines them so).
+RAGEN2_ENVS: dict[str, EnvEntry] = {
+    "CoordSokoban": EnvEntry.of_type("coord_sokoban"),
+    "CoordFrozenLake": EnvEntry.of_type("coord_frozen_lake"),
+    "game_2048": EnvEntry.of_type("game_2048"),
+    "rubikscube": EnvEntry.of_type("rubikscube", scramble_depth=1),
+    "SimpleSudoku": EnvEntry.of_type("sudoku"),
+    "MediumSudoku": dataclasses.replace(EnvEntry.of_type("sudoku", difficulty="medium"), max_actions_per_traj=30),
+    "MetamathQA": EnvEntry.of_type("metamathqa"),
+}
+# RAGEN-2's whole registry: V1's tags, the new ones, and its FrozenLake (``p`` 0.9, ``success_rate`` 0.8).
 CUSTOM_ENVS_V2: dict[str, EnvEntry] = {
-    **CUSTOM_ENVS,
-    "FrozenLake": EnvEntry("coord_frozen_lake", 10, FrozenLake.env_instruction, 100, dict(success_rate=0.8)),
+    **CUSTOM_ENVS, **RAGEN2_ENVS,
+    "FrozenLake": EnvEntry("coord_frozen_lake", 10, FrozenLake.env_instruction, 100, {"observation_format": "grid"}),
 }
 
 

@@ -23,6 +23,7 @@ from runtime.config import parse_config, split_section
 from runtime.mesh import MeshConfig
 from starpo_jax.config import StarPOConfig, resolve, validate
 from starpo_jax.custom_envs import SECTION, apply_overrides
+from starpo_jax.ragen2_presets import SLIPPER_PRESETS, TASKS
 
 USE_PPO = ("algorithm.adv_estimator=gae",)
 USE_GRPO = ("algorithm.adv_estimator=grpo", "agent_proxy.reward_normalization.method=mean_std",
@@ -137,6 +138,9 @@ PAPER_RECIPES: dict[str, tuple[str, ...]] = {
     **{f"sokoban-online{k}": SOKOBAN_GENERALIZATION + USE_PPO + online(k) for k in (1, 2, 5, 10)},
 }
 PRESETS: dict[str, tuple[str, ...]] = {**ALGORITHMS, "tiny": USE_PPO + TINY, **PAPER_RECIPES}
+# RAGEN-2's task configs with each main algorithm, and the slipper sweep (starpo_jax.ragen2_presets).
+PRESETS.update({f"v2-{task}-{name}": flags + ALGORITHMS[name] for task, flags in TASKS.items() for name in MAIN_ALGORITHMS})
+PRESETS.update(SLIPPER_PRESETS)
 
 # ``--mesh`` values (data, fsdp, tensor). Data-parallel devices (data × fsdp) × micro_batch_size_per_gpu
 # must divide ppo_mini_batch_size (32): 16 chips therefore split 8-way FSDP × 2-way tensor parallel.

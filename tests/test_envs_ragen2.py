@@ -15,7 +15,9 @@ from envs.rubiks_cube import PERMUTATIONS, SOLVED, RubiksCube, solution_depth
 from envs.sokoban import SokobanState
 from envs.sudoku import SudokuCore, SudokuEnv, is_valid_grid, parse_move, render_with_feedback
 from envs.text import env_prefix
+from starpo_jax.presets import load_config
 
+V2 = envs.CUSTOM_ENVS_V2
 HEAD = "You're a helpful assistant. "
 SYSTEM = {
     "game_2048": "You're a helpful assistant. You are playing the 2048 game on a 4x4 grid. Merge equal tiles by sliding "
@@ -70,19 +72,32 @@ SUDOKU_10000 = ("==================================================\nSUDOKU PUZZ
 
 @pytest.mark.parametrize("tag", sorted(SYSTEM))
 def test_system_content_is_the_reference_text(tag):
-    assert HEAD + env_prefix(envs.make(tag)) == SYSTEM[tag]
+    assert HEAD + env_prefix(envs.make(tag, V2)) == SYSTEM[tag]
 
 
 def test_tags_carry_envs_yaml_budgets_and_configs():
     budgets = {"CoordSokoban": (10, 120), "CoordFrozenLake": (10, 120), "game_2048": (700, 8192),
                "rubikscube": (20, 96), "SimpleSudoku": (20, 150), "MediumSudoku": (30, 150)}
     for tag, (budget, max_tokens) in budgets.items():
-        entry = envs.CUSTOM_ENVS[tag]
+        entry = V2[tag]
         assert (entry.max_actions_per_traj, entry.max_tokens) == (budget, max_tokens), tag
-    assert envs.make("rubikscube").default_params.scramble_depth == 1
-    assert envs.make("MediumSudoku").core.num_blanks == 40 and envs.make("SimpleSudoku").core.num_blanks == 32
-    assert float(envs.make("CoordFrozenLake").default_params.success_rate) == 0.8
-    assert envs.CUSTOM_ENVS_V2["FrozenLake"].env_config == {"success_rate": 0.8}
+    assert envs.make("rubikscube", V2).default_params.scramble_depth == 1
+    assert (envs.make("MediumSudoku", V2).core.num_blanks, envs.make("SimpleSudoku", V2).core.num_blanks) == (40, 32)
+    assert float(envs.make("CoordFrozenLake", V2).default_params.success_rate) == 0.8
+    assert float(envs.make("FrozenLake", V2).default_params.success_rate) == 0.8
+    assert envs.make("FrozenLake").default_params.p == 0.8  # V1 keeps its tag
+
+
+def test_v2_presets_define_the_ragen2_tags_and_task_settings():
+    for name in ("v2-sokoban-starpo-s-ppo", "v2-2048-starpo-s-grpo", "v2-sudoku-starpo-ppo"):
+        config = load_config(name)
+        assert {tag: config.custom_envs[tag] for tag in envs.RAGEN2_ENVS} == envs.RAGEN2_ENVS
+    config = load_config("v2-2048-starpo-s-ppo")
+    assert (config.agent_proxy.max_turn, config.agent_proxy.max_actions_per_turn) == (800, 1)
+    assert config.es_manager.train.env_configs.tags == ("game_2048",)
+    lake = load_config("v2-frozenlake-slipper20-nofilter").custom_envs["CoordFrozenLake"]
+    assert lake.env_config["success_rate"] == 0.8
+    assert load_config("v2-frozenlake-starpo-ppo").custom_envs["CoordFrozenLake"].env_config["success_rate"] == 1.0
 
 
 def test_seed_10000_vectors_from_the_reference_generators():
@@ -105,7 +120,7 @@ def test_coord_sokoban_renders_the_spec_prompt_state():
     room = np.array([[codes[ch] for ch in row] for row in rows], np.int8)
     fixed = np.where((room == 4) | (room == 5), 1, room).astype(np.int8)
     state = SokobanState(jnp.asarray(fixed), jnp.asarray(room), jnp.array([4, 1]), jnp.int32(0), jnp.int32(0))
-    text = envs.make("CoordSokoban").render_text(state)
+    text = envs.make("CoordSokoban", V2).render_text(state)
     assert text == ("Coordinates: \nBoard size: 6 rows x 6 cols (zero-indexed).\nTargets: (3, 2)\nBoxes: (2, 2)\n"
                     "Player: (4, 1)\nGrid Map: \n" + "\n".join(rows))
     assert CoordSokoban(observation_format="coord").render_text(state) == text.split("\n", 1)[1].split("\nGrid")[0]

@@ -27,8 +27,8 @@ RESPONSE = "go</think><answer>Up || U</answer>"  # valid in one game, a format p
 NEW_TOKENS = 12
 SETTINGS = RolloutSettings(max_turn=2, max_model_len=1024, train_on_sampled_ids=True, bucket=1024,
                            max_actions_per_turn=2)
-CUSTOM_ENVS = {**envs.CUSTOM_ENVS,
-               "Short2048": dataclasses.replace(envs.CUSTOM_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50)}
+CUSTOM_ENVS = {**envs.CUSTOM_ENVS_V2,
+               "Short2048": dataclasses.replace(envs.RAGEN2_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50)}
 
 
 def make_slots():

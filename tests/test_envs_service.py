@@ -114,6 +114,6 @@ def test_metamathqa_checks_answers_as_the_reference(tmp_path):
     path.write_text(json.dumps({"query": "q"}) + "\n")
     with pytest.raises(ValueError, match="qa.jsonl:1: each row needs a string 'response'"):
         StaticQA(str(path))
-    tagged = envs.make("MetamathQA")
+    tagged = envs.make("MetamathQA", envs.CUSTOM_ENVS_V2)
     assert (tagged.max_actions_per_traj, tagged.env_instruction, tagged.action_names) == (
         1, "You are solving Math problems. ", ())

@@ -114,12 +114,17 @@ class SudokuCore:
     def default_params(self) -> SudokuParams:
         return self.params
 
+    @property
+    def num_actions(self) -> int:
+        return self.n ** 3
+
     def reset_env(self, key: jax.Array, params: SudokuParams):
+        """``(board, state)`` of a fresh puzzle."""
         k_grid, k_blank = jax.random.split(key)
         solution = complete_grid(k_grid, self.n)
         blank = jnp.zeros(self.n * self.n, bool).at[jax.random.permutation(k_blank, self.n * self.n)[:self.num_blanks]]
-        blank = blank.set(True).reshape(self.n, self.n)
-        return self.new_state(jnp.where(blank, 0, solution), solution)
+        state = self.new_state(jnp.where(blank.set(True).reshape(self.n, self.n), 0, solution), solution)
+        return state.board, state
 
     def new_state(self, puzzle: jax.Array, solution: jax.Array) -> SudokuState:
         """The state of a given puzzle (e.g. one of RAGEN's own, from ``reference_sudoku``)."""
@@ -129,7 +134,7 @@ class SudokuCore:
                            zeros.astype(bool))
 
     def step_env(self, key: jax.Array, state: SudokuState, action, params: SudokuParams):
-        """One placement; returns ``(state, reward, done, info)``."""
+        """One placement; returns ``(board, state, reward, done, info)`` as gymnax does."""
         row, col, num = action // (self.n * self.n), (action // self.n) % self.n, action % self.n + 1
         steps = state.num_steps + 1
         fixed = state.initial[row, col]
@@ -144,7 +149,7 @@ class SudokuCore:
         new = SudokuState(board, state.initial, state.solution, steps, outcome.astype(jnp.int32),
                           jnp.stack([row, col, num]).astype(jnp.int32), clash & ~fixed)
         done = placed & (solved | (steps >= params.max_steps))
-        return new, reward.astype(jnp.float32), done, step_info(solved, placed, placed)
+        return board, new, reward.astype(jnp.float32), done, step_info(solved, placed, placed)
 
     def invalid_step(self, state: SudokuState) -> SudokuState:
         """A move that could not be parsed: only the step counter advances."""
@@ -257,7 +262,7 @@ class SudokuEnv:
         self.state, self.feedback = None, ""
 
     def reset(self, seed: int) -> str:
-        self.state = jax.device_get(self._reset(jax.random.key(seed), self.core.params))
+        self.state = jax.device_get(self._reset(jax.random.key(seed), self.core.params)[1])
         self.feedback = ""
         return self.render()
 
@@ -270,7 +275,7 @@ class SudokuEnv:
             return self.render(), self.core.params.invalid_action_score, False, info
         row, col, num = move
         move_id = ((row - 1) * self.core.n + col - 1) * self.core.n + num - 1
-        state, reward, done, info = jax.device_get(self._step(None, self.state, move_id, self.core.params))
+        _, state, reward, done, info = jax.device_get(self._step(None, self.state, move_id, self.core.params))
         self.state = state
         self.feedback = feedback_text(state, self.core.n, self.show_valid_numbers)
         info = {k: bool(v) for k, v in info.items()}

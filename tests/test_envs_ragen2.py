@@ -222,7 +222,7 @@ def test_cube_moves_scrambles_and_bfs_depth():
 @pytest.mark.parametrize("size,difficulty", [(4, "easy"), (9, "medium"), (16, "hard")])
 def test_sudoku_generation_is_valid_with_exact_clue_counts(size, difficulty):
     core = SudokuCore(size, difficulty)
-    states = jax.jit(jax.vmap(core.reset_env, (0, None)))(jax.random.split(jax.random.key(0), 16), core.params)
+    _, states = jax.jit(jax.vmap(core.reset_env, (0, None)))(jax.random.split(jax.random.key(0), 16), core.params)
     assert bool(jnp.all(jax.vmap(is_valid_grid)(states.solution)))
     assert (np.asarray(states.initial).sum(axis=(1, 2)) == size * size - core.num_blanks).all()
     assert bool(jnp.all(jnp.where(states.initial, states.board == states.solution, states.board == 0)))

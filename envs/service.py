@@ -35,14 +35,8 @@ class PythonEnv(Protocol):
     def render(self) -> str: ...
 
 
-class HostAdapter:
-    """A Python or service environment with time limits, error capture and pool settings.
-
-    Args:
-        env: the object implementing ``PythonEnv``.
-        timeout_s: seconds one ``reset`` or ``step`` may take (None: no limit).
-        parallel_friendly, max_workers: RAGEN's tag keys; the pool is used when both allow it.
-    """
+class HostTextEnv:
+    """The attributes the prompt and the state manager read off a host environment without action lookup."""
 
     tag = ""
     action_names: tuple[str, ...] = ()
@@ -51,6 +45,16 @@ class HostAdapter:
     prompt_lists_actions = False
     max_actions_per_traj = 1
     max_tokens = 100
+
+
+class HostAdapter(HostTextEnv):
+    """A Python or service environment with time limits, error capture and pool settings.
+
+    Args:
+        env: the object implementing ``PythonEnv``.
+        timeout_s: seconds one ``reset`` or ``step`` may take (None: no limit).
+        parallel_friendly, max_workers: RAGEN's tag keys; the pool is used when both allow it.
+    """
 
     def __init__(self, env: PythonEnv, timeout_s: float | None = None, parallel_friendly: bool = False,
                  max_workers: int = 1):

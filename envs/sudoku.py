@@ -20,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from envs.base import check_positive_int, step_info
+from envs.service import HostTextEnv
 
 SUDOKU_INSTRUCTION = (
     "You are solving a Sudoku puzzle. Fill in the grid so that every row, column, and 3x3 box contains the numbers "
@@ -236,7 +237,7 @@ def render_with_feedback(state, n: int, max_steps: int, feedback: str, show_conf
     return "\n".join(lines)
 
 
-class SudokuEnv:
+class SudokuEnv(HostTextEnv):
     """RAGEN's ``SudokuEnv`` for the host driver: text actions parsed here, moves checked by ``SudokuCore``.
 
     No ``action_names``: the state manager passes the action strings through, as RAGEN does without an
@@ -244,10 +245,7 @@ class SudokuEnv:
     """
 
     tag = "SimpleSudoku"
-    action_names: tuple[str, ...] = ()
     env_instruction = SUDOKU_INSTRUCTION
-    grid_vocab = None
-    prompt_lists_actions = False
     max_actions_per_traj = 20
     max_tokens = 150
 

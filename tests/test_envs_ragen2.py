@@ -134,7 +134,7 @@ def test_coord_frozen_lake_lists_start_goal_player_holes():
     state = FrozenLakeState(jnp.asarray(desc), jnp.int32(5), jnp.int32(1))
     assert env.render_text(state) == (
         "Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (0, 0)\nGoal: (2, 3)\n"
-        "Player in hole: (1, 1)\nHoles: (0, 3), (1, 1), (3, 0)\nGrid Map: \n__GO\n_X__\n___G\nO___".replace("__GO", "___O"))
+        "Player in hole: (1, 1)\nHoles: (0, 3), (1, 1), (3, 0)\nGrid Map: \n___O\n_X__\n___G\nO___")
 
 
 def test_frozen_lake_success_rate_slip_law_and_sweep_rates():
@@ -244,7 +244,8 @@ def test_sudoku_rewards_feedback_and_rendering():
     peer = PeerSudoku()
     peer.reset(10000)
     _, reward, done, info = env.step("place 5 at row 1 col 1")
-    assert (reward, done, info["action_is_valid"]) == (-0.1, False, False) == (peer.step("place 5 at row 1 col 1"),)[0][:1] + (False, False)
+    assert (reward, done, info["action_is_valid"]) == (-0.1, False, False)
+    assert peer.step("place 5 at row 1 col 1") == (-0.1, False)
     assert "\u274c Cannot modify initial cell at (1,1)" in env.render()
     _, reward, _, _ = env.step("2,1,6")  # 6 stands in row 2
     assert reward == -0.1 and "\u274c Invalid placement: 6 conflicts with row 2" in env.feedback

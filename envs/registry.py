@@ -16,6 +16,7 @@ import typing
 from typing import Any, Mapping
 
 from envs.bandit import Bandit
+from envs.bandit_v2 import BanditV2
 from envs.countdown import Countdown
 from envs.frozen_lake import FrozenLake
 from envs.coord import CoordFrozenLake, CoordSokoban
@@ -34,6 +35,7 @@ ENV_TYPES["game_2048"] = Game2048
 ENV_TYPES["rubikscube"] = RubiksCube
 ENV_TYPES["sudoku"] = SudokuEnv
 ENV_TYPES["metamathqa"] = MetaMathQA
+ENV_TYPES["bandit_v2"] = BanditV2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +85,11 @@ RAGEN2_ENVS: dict[str, EnvEntry] = {
     "MediumSudoku": dataclasses.replace(EnvEntry.of_type("sudoku", difficulty="medium"), max_actions_per_traj=30),
     "MetamathQA": EnvEntry.of_type("metamathqa"),
 }
-# RAGEN-2's whole registry: V1's tags, the new ones, and its FrozenLake (``p`` 0.9, ``success_rate`` 0.8).
+# RAGEN-2's whole registry: V1's tags, the new ones, its Bandit arm-pair lists and its FrozenLake (``p`` 0.9,
+# ``success_rate`` 0.8).
 CUSTOM_ENVS_V2: dict[str, EnvEntry] = {
     **CUSTOM_ENVS, **RAGEN2_ENVS,
+    "Bandit": EnvEntry.of_type("bandit_v2", split="train"), "BanditTest": EnvEntry.of_type("bandit_v2", split="test"),
     "FrozenLake": EnvEntry("coord_frozen_lake", 10, FrozenLake.env_instruction, 100, {"observation_format": "grid"}),
 }
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import envs
+import envs.bandit_v2
 from bench.env_peers import Peer2048, PeerCube, PeerSudoku
 from envs.coord import CoordFrozenLake, CoordSokoban, slipper_success_rate
 from envs.frozen_lake import FrozenLakeState
@@ -263,3 +264,27 @@ def test_sudoku_rewards_feedback_and_rendering():
     r, c = empties[-1]
     _, reward, done, info = env.step(f"{r + 1},{c + 1},{solution[r, c]}")
     assert (reward, done, info["success"]) == (11.0, True, True) and "Congratulations" in env.render()
+
+
+def test_bandit_v2_draws_the_split_pairs_and_pays_only_this_pair():
+    env = envs.make("Bandit", V2)
+    obs, states = jax.jit(jax.vmap(env.reset_env, (0, None)))(jax.random.split(jax.random.key(0), 2400),
+                                                             env.default_params)
+    np.testing.assert_allclose(np.bincount(np.asarray(states.pair), minlength=12) / 2400, np.full(12, 1 / 12),
+                               atol=0.025)
+    assert abs(np.mean(np.asarray(states.swapped)) - 0.5) < 0.04
+    state = jax.tree.map(lambda x: x[0], states)
+    lo, hi = (env.action_names[int(i)] for i in sorted(np.asarray(obs[0])))
+    assert (lo, hi) == envs.bandit_v2.ARM_NAMES["train"][int(state.pair)]
+    assert f"There are 2 arms, named {env.action_names[int(obs[0][0])]} and {env.action_names[int(obs[0][1])]}" \
+        in env.render_text(state)
+    step = jax.jit(jax.vmap(env.step_env, (0, None, None, None)))
+    keys = jax.random.split(jax.random.key(1), 4000)
+    high = 2 * int(state.pair) + 1
+    _, after, reward, done, info = step(keys, state, high, env.default_params)
+    assert abs(float(np.mean(np.asarray(reward))) - 0.25) < 0.03 and bool(info["success"].all()) and bool(done.all())
+    assert env.render_text(jax.tree.map(lambda x: x[0], after)).startswith(f"{hi}: ")
+    other = (high + 2) % 24
+    _, _, reward, _, info = step(keys[:4], state, other, env.default_params)
+    assert float(np.abs(reward).max()) == 0.0 and not bool(info["action_is_valid"].any())
+    assert envs.make("BanditTest", V2).action_names[:2] == ("Receptionist", "Explorer")

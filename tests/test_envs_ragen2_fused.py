@@ -69,3 +69,9 @@ def test_fused_equals_host_on_2048_and_the_cube(setup):
     text = setup["tokenizer"].decode(out.trajectory.input_ids[0])
     assert "Current 2048 Grid:" in text and text.count("<|im_start|>assistant\n<think>") >= 2
     assert np.mean([m["action_is_valid"] for m in out.metrics]) > 0
+
+
+def test_coordinate_observations_and_v2_bandit_are_host_only(setup):
+    for tag in ("CoordFrozenLake", "Bandit"):
+        with pytest.raises(ValueError, match=f"{tag}.*rollout_driver=host"):
+            build_env_tables(envs.make(tag, envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)

@@ -14,7 +14,7 @@ from envs.game_2048 import Game2048, Game2048State, render_2048, valid_moves
 from envs.reference_levels import reference_2048_grid, reference_cube_stickers, reference_sudoku
 from envs.rubiks_cube import PERMUTATIONS, SOLVED, RubiksCube, solution_depth
 from envs.sokoban import SokobanState
-from envs.sudoku import SudokuCore, SudokuEnv, is_valid_grid, parse_move, render_with_feedback
+from envs.sudoku import SudokuCore, SudokuEnv, conflict_mask, is_valid_grid, parse_move, render_with_feedback
 from envs.text import env_prefix
 from starpo_jax.presets import load_config
 
@@ -288,3 +288,19 @@ def test_bandit_v2_draws_the_split_pairs_and_pays_only_this_pair():
     _, _, reward, _, info = step(keys[:4], state, other, env.default_params)
     assert float(np.abs(reward).max()) == 0.0 and not bool(info["action_is_valid"].any())
     assert envs.make("BanditTest", V2).action_names[:2] == ("Receptionist", "Explorer")
+
+
+def test_sudoku_conflicts_are_repeats_in_a_row_column_or_box():
+    rng = np.random.default_rng(0)
+    puzzle, solution = reference_sudoku(10000)
+    for _ in range(10):
+        board = solution.copy()
+        mask = rng.random((9, 9)) < 0.3
+        board[mask] = rng.integers(0, 10, mask.sum())
+        want = np.zeros((9, 9), bool)
+        for r, c in np.argwhere(board > 0):
+            box = board[r // 3 * 3:r // 3 * 3 + 3, c // 3 * 3:c // 3 * 3 + 3]
+            want[r, c] = (board[r] == board[r, c]).sum() > 1 or (board[:, c] == board[r, c]).sum() > 1 \
+                or (box == board[r, c]).sum() > 1
+        np.testing.assert_array_equal(np.asarray(conflict_mask(jnp.asarray(board))), want)
+        assert bool(is_valid_grid(jnp.asarray(board))) == (not want.any() and (board > 0).all())

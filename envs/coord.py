@@ -5,12 +5,14 @@
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from envs.base import render_grid
-from envs.tokens import build_grid_renderer
+from envs.text_pieces import build_piece_renderer
+from envs.tokens import _row_texts, build_grid_renderer
 from envs.frozen_lake import GOAL, HOLE, START, FrozenLake, FrozenLakeParams
-from envs.sokoban import Sokoban
+from envs.sokoban import PLAYER_ON_TARGET, Sokoban
 from envs.sokoban_generation import BOX, BOX_ON_TARGET, PLAYER, TARGET
 
 FORMATS = ("grid", "coord", "grid_coord")
@@ -76,16 +78,66 @@ class CoordSokoban(Sokoban):
         self.observation_format = _check_format(observation_format)
 
     def render_text(self, state) -> str:
-        fixed, room = np.asarray(jax.device_get(state.room_fixed)), np.asarray(jax.device_get(state.room_state))
+        return self.text_of_obs(np.asarray(jax.device_get(self.observe(state))))
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, num_checks: int = 64):
+        """The grid format's row tables, or for one box the coordinate lines as slots (then the grid rows)."""
+        if self.observation_format == "grid" or self.num_boxes != 1:
+            return grid_only_renderer(self, tokenizer)
+        height, width = self.dim_room
+        cells = [(r, c) for r in range(height) for c in range(width)]
+        head = f"Coordinates: \nBoard size: {height} rows x {width} cols (zero-indexed).\nTargets: "
+        grid = self.observation_format == "grid_coord"
+        slots = [[f"{head}({r}, {c})\n" for r, c in cells],
+                 [f"{label}: ({r}, {c})\n" for label in ("Boxes", "Boxes on target") for r, c in cells],
+                 [f"{label}: ({r}, {c})\n" + ("Grid Map: \n" if grid else "")
+                  for label in ("Player", "Player on target") for r, c in cells]]
+        symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
+        if grid:
+            slots += [_row_texts(symbols, width, True) for _ in range(height)]
+        radix = len(symbols) ** jnp.arange(width - 2)
+
+        def index_of(obs):
+            flat = obs.ravel().astype(jnp.int32)
+            target = jnp.argmax((flat == TARGET) | (flat == BOX_ON_TARGET) | (flat == PLAYER_ON_TARGET))
+            box = jnp.argmax((flat == BOX) | (flat == BOX_ON_TARGET)) + jnp.any(flat == BOX_ON_TARGET) * len(cells)
+            player = jnp.argmax((flat == PLAYER) | (flat == PLAYER_ON_TARGET)) + jnp.any(flat == PLAYER_ON_TARGET) * len(
+                cells)
+            rows = jnp.sum(obs[:, 1:-1].astype(jnp.int32) * radix, axis=1) if grid else jnp.zeros(0, jnp.int32)
+            return jnp.concatenate([jnp.stack([target, box, player]), rows])
+
+        return build_piece_renderer(self, tokenizer, slots, index_of, self._sample_obs(num_checks),
+                                    self.text_of_obs)
+
+    def _sample_obs(self, count: int) -> np.ndarray:
+        """Random one-box rooms: walled border, random interior walls, target, box and player in every relation."""
+        height, width = self.dim_room
+        rng = np.random.default_rng(0)
+        out = []
+        for k in range(count):
+            room = np.where(rng.random((height, width)) < 0.3, 0, 1).astype(np.int8)
+            room[[0, -1], :], room[:, [0, -1]] = 0, 0
+            inside = [(r, c) for r in range(1, height - 1) for c in range(1, width - 1)]
+            t, b, p = (inside[i] for i in rng.choice(len(inside), 3, replace=False))
+            room[t], room[b], room[p] = 2, 4, 5
+            if k % 3 == 1:
+                room[t], room[b] = 3, 1
+            elif k % 3 == 2:
+                room[t], room[p] = 6, 1
+            out.append(room)
+        return np.stack(out)
+
+    def text_of_obs(self, obs: np.ndarray) -> str:
+        """The observation text of ``get_obs`` codes (targets are the cells coded 2, 3 or 6)."""
+        on = obs == PLAYER_ON_TARGET
+        room = np.where(on, PLAYER, obs)
+        fixed = np.where((obs == BOX_ON_TARGET) | on | (obs == TARGET), TARGET, np.where(obs == 0, 0, 1))
         target = fixed == TARGET
         block = coordinate_block(room.shape, [("Targets", target), ("Boxes", room == BOX),
                                               ("Boxes on target", room == BOX_ON_TARGET),
                                               ("Player", (room == PLAYER) & ~target),
                                               ("Player on target", (room == PLAYER) & target)])
-        return compose(self.observation_format, block, render_grid(self.observe(state), self.grid_lookup))
-
-    def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
-        return grid_only_renderer(self, tokenizer)
+        return compose(self.observation_format, block, render_grid(obs, self.grid_lookup))
 
 
 class CoordFrozenLake(FrozenLake):

@@ -2,6 +2,8 @@
 
 ``observation_format`` is ``grid`` (V1), ``coord`` (the coordinates block alone) or ``grid_coord``
 (``"Coordinates: \\n" + block + "\\nGrid Map: \\n" + grid``). FrozenLake also takes RAGEN-2's ``success_rate``.
+On the fused driver, one-box Sokoban renders every format (coordinate lines as token slots); FrozenLake's
+coordinate formats and multi-box Sokoban's are host-only.
 """
 
 import jax

@@ -1,4 +1,4 @@
-"""2048 and the 2x2 cube in the fused driver: the same trajectories as the host driver (greedy, same seeds)."""
+"""2048, the 2x2 cube and CoordSokoban (grid_coord) in the fused driver: the host driver's trajectories (greedy)."""
 
 import dataclasses
 
@@ -20,10 +20,10 @@ from starpo_jax.sampler import SamplerConfig, make_sampler
 from starpo_jax.trajectory import render_chat
 from test_starpo_fused_rollout import assert_same, chain_params
 
-TAGS = ("Short2048", "rubikscube")
-ROWS = (2, 2)
-SEEDS = (3, 4, 5, 6)
-RESPONSE = "go</think><answer>Up || U</answer>"  # valid in one game, a format penalty in the other
+TAGS = ("Short2048", "rubikscube", "CoordSokoban")
+ROWS = (2, 2, 2)
+SEEDS = (3, 4, 5, 6, 7, 8)
+RESPONSE = "go</think><answer>Up || U</answer>"  # one name is valid in each game, the other a format penalty
 NEW_TOKENS = 12
 SETTINGS = RolloutSettings(max_turn=2, max_model_len=1024, train_on_sampled_ids=True, bucket=1024,
                            max_actions_per_turn=2)
@@ -57,7 +57,7 @@ def setup(tmp_path_factory):
                 host_sampler=make_sampler(graphdef, sampler_config))
 
 
-def test_fused_equals_host_on_2048_and_the_cube(setup):
+def test_fused_equals_host_on_2048_the_cube_and_coord_sokoban(setup):
     slots = make_slots()
     cache = init_cache(setup["config"], len(slots), SETTINGS.max_model_len + NEW_TOKENS)
     host = host_rollout(setup["host_sampler"], setup["params"], setup["tokenizer"], slots, cache, jax.random.key(7),

@@ -5,20 +5,16 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import envs
 from envs.text import env_prefix
-from starpo_jax.chat_tokenizer import train_chat_tokenizer
-from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
+from starpo_jax.env_manager import GymnaxHostEnv, reset_slot
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
-from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import init_cache
-from starpo_jax.models.transformer import CausalLM
 from starpo_jax.rollout import RolloutSettings, host_rollout
-from starpo_jax.sampler import SamplerConfig, make_sampler
+from starpo_jax.sampler import make_sampler
 from starpo_jax.trajectory import render_chat
-from test_starpo_fused_rollout import assert_same, chain_params
+from test_starpo_fused_rollout import assert_same, tiny_policy
 
 TAGS = ("Short2048", "rubikscube", "CoordSokoban")
 ROWS = (2, 2, 2)
@@ -41,19 +37,11 @@ def make_slots():
 def setup(tmp_path_factory):
     slots = make_slots()
     corpus = [render_chat(s.prefix, s.history)[1]["content"] for s in slots] * 5 + [env_prefix(s.env) for s in slots]
-    tokenizer = train_chat_tokenizer(corpus + [f"<think>{RESPONSE}"] * 20, tmp_path_factory.mktemp("tok"),
-                                     vocab_size=1024)
-    config = TransformerConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
-                               num_heads=4, num_kv_heads=2, head_dim=8)
-    with nnx.use_eager_sharding(False):
-        graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(0)))
-    chain = [tokenizer.convert_tokens_to_ids("<think>")] + tokenizer.encode(RESPONSE) + [tokenizer.eos_token_id]
-    assert len(set(chain)) == len(chain), "the chain model needs distinct tokens"
-    sampler_config = SamplerConfig(max_new_tokens=NEW_TOKENS, greedy=True, stop_ids=(tokenizer.eos_token_id,),
-                                   pad_id=tokenizer.pad_token_id)
+    tokenizer, config, graphdef, _, params, sampler_config = tiny_policy(corpus, RESPONSE,
+                                                                         tmp_path_factory.mktemp("tok"), NEW_TOKENS)
     tables = [build_env_tables(envs.make(t, CUSTOM_ENVS), tokenizer, SETTINGS) for t in TAGS]
     fused = make_fused_rollout(graphdef, config, sampler_config, tables, ROWS, tokenizer, SETTINGS)
-    return dict(tokenizer=tokenizer, config=config, params=chain_params(params, chain, config), fused=fused,
+    return dict(tokenizer=tokenizer, config=config, params=params, fused=fused,
                 host_sampler=make_sampler(graphdef, sampler_config))
 
 

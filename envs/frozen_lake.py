@@ -34,6 +34,7 @@ class FrozenLakeParams:
 
     p: float = 0.8
     is_slippery: bool = True
+    success_rate: float = 1 / 3  # probability of the intended move; each perpendicular one has half the rest
     max_steps_in_episode: int = 2**30
 
 
@@ -104,7 +105,9 @@ class FrozenLake(TextEnvironment):
 
     def step_env(self, key: jax.Array, state: FrozenLakeState, action, params: FrozenLakeParams):
         tiles = state.desc.ravel()
-        slip = jnp.where(params.is_slippery, jnp.floor(3 * jax.random.uniform(key)).astype(jnp.int32) - 1, 0)
+        u = jax.random.uniform(key)
+        drawn = jnp.where(u < (1 - params.success_rate) / 2, -1, jnp.where(u < (1 + params.success_rate) / 2, 0, 1))
+        slip = jnp.where(params.is_slippery, drawn, 0)
         delta = MOVES[(action + slip) % 4]
         row, col = jnp.divmod(state.position, self.size)
         row = jnp.clip(row + delta[0], 0, self.size - 1)

@@ -16,15 +16,25 @@ import typing
 from typing import Any, Mapping
 
 from envs.bandit import Bandit
+from envs.bandit_v2 import BanditV2
 from envs.base import TextEnvironment
 from envs.countdown import Countdown
 from envs.frozen_lake import FrozenLake
+from envs.coord import CoordFrozenLake, CoordSokoban
+from envs.game_2048 import Game2048
+from envs.rubiks_cube import RubiksCube
 from envs.sokoban import DIFFERENT_GRID_LOOKUP, Sokoban
+from envs.static_qa import MetaMathQA
+from envs.sudoku import SudokuEnv
 from runtime.registry import Registry
 
 # RAGEN's ``env_type`` names; ``ENV_TYPES.register("name", cls)`` adds a type (``custom_envs.<Tag>.env_type``).
+# RAGEN-2's types (ragen2.md §7) follow; its ``sokoban`` / ``frozen_lake`` with V2 keys are ``coord_*`` here.
 ENV_TYPES: Registry[type] = Registry("environment type", "custom_envs.<tag>.env_type")
-for _name, _cls in (("bandit", Bandit), ("sokoban", Sokoban), ("frozen_lake", FrozenLake), ("countdown", Countdown)):
+for _name, _cls in (("bandit", Bandit), ("sokoban", Sokoban), ("frozen_lake", FrozenLake), ("countdown", Countdown),
+                    ("coord_sokoban", CoordSokoban), ("coord_frozen_lake", CoordFrozenLake), ("game_2048", Game2048),
+                    ("rubikscube", RubiksCube), ("sudoku", SudokuEnv), ("metamathqa", MetaMathQA),
+                    ("bandit_v2", BanditV2)):
     ENV_TYPES.register(_name, _cls)
 
 
@@ -69,6 +79,24 @@ CUSTOM_ENVS: dict[str, EnvEntry] = {
                                                   grid_lookup=DIFFERENT_GRID_LOOKUP),
     "FrozenLake": EnvEntry.of_type("frozen_lake"),
     "Countdown": EnvEntry.of_type("countdown"),
+}
+# RAGEN-2's new tags (``config/envs.yaml``, ragen2.md §7-8): each type's defaults are its tag's, so a tag is
+# also ``custom_envs.<Tag>.env_type=<type>`` plus the keys below (``starpo_jax.ragen2_presets`` defines them so).
+RAGEN2_ENVS: dict[str, EnvEntry] = {
+    "CoordSokoban": EnvEntry.of_type("coord_sokoban"),
+    "CoordFrozenLake": EnvEntry.of_type("coord_frozen_lake"),
+    "game_2048": EnvEntry.of_type("game_2048"),
+    "rubikscube": EnvEntry.of_type("rubikscube", scramble_depth=1),
+    "SimpleSudoku": EnvEntry.of_type("sudoku"),
+    "MediumSudoku": dataclasses.replace(EnvEntry.of_type("sudoku", difficulty="medium"), max_actions_per_traj=30),
+    "MetamathQA": EnvEntry.of_type("metamathqa"),
+}
+# RAGEN-2's whole registry: V1's tags, the new ones, its Bandit arm-pair lists and its FrozenLake (``p`` 0.9,
+# ``success_rate`` 0.8).
+CUSTOM_ENVS_V2: dict[str, EnvEntry] = {
+    **CUSTOM_ENVS, **RAGEN2_ENVS,
+    "Bandit": EnvEntry.of_type("bandit_v2", split="train"), "BanditTest": EnvEntry.of_type("bandit_v2", split="test"),
+    "FrozenLake": EnvEntry("coord_frozen_lake", 10, FrozenLake.env_instruction, 100, {"observation_format": "grid"}),
 }
 
 

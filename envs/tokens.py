@@ -71,7 +71,11 @@ def render_tokens(renderer: GridRenderer, obs: jax.Array) -> tuple[jax.Array, ja
     cells = obs[:, 1:-1] if renderer.walled else obs
     radix = renderer.num_symbols ** jnp.arange(cells.shape[1])
     codes = jnp.sum(cells.astype(jnp.int32) * radix, axis=1)
-    tokens, lengths = renderer.row_tokens[codes], renderer.row_lengths[codes]
+    return concat_rows(renderer.row_tokens[codes], renderer.row_lengths[codes])
+
+
+def concat_rows(tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows of 0-padded ``tokens`` (valid up to ``lengths``) laid end to end: ``(ids, total length)``."""
     starts = jnp.cumsum(lengths) - lengths
     width = tokens.shape[1]
     total = tokens.shape[0] * width

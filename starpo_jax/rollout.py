@@ -19,7 +19,8 @@ import jax
 import numpy as np
 
 from envs.text import FORMAT_PENALTY, MAX_ACTIONS_PER_TURN, parse_response
-from starpo_jax.env_manager import Slot, apply_context_window, run_turn
+from starpo_jax.env_manager import Slot, apply_context_window
+from starpo_jax.env_pool import run_turns
 from starpo_jax.models.kv_cache import KVCache
 from starpo_jax.scores import place_turn_scores
 from starpo_jax.trajectory import (Trajectory, apply_max_length, chat_tokens, left_pad, loss_mask, position_ids,
@@ -151,6 +152,7 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
         out = sample(params, tokens, mask, cache, jax.random.fold_in(key, turn), active)
         cache = out.cache
         generated, log_probs, lengths = jax.device_get((out.tokens, out.log_probs, out.lengths))
+        turns = []
         for i in np.flatnonzero(active):
             ids = [int(t) for t in generated[i, :lengths[i]]]
             records[i].append(_Record(prompts[i], ids, log_probs[i, :lengths[i]]))
@@ -158,7 +160,8 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
             ended[i] = bool(ids) and ids[-1] == eos
             parsed = parse_response(forced + tokenizer.decode(ids, skip_special_tokens=True),
                                     settings.enable_think, settings.max_actions_per_turn)
-            run_turn(slots[i], parsed.llm_response, parsed.actions, settings.format_penalty)
+            turns.append((slots[i], parsed.llm_response, parsed.actions))
+        run_turns(turns, settings.format_penalty)
     for slot in slots:
         apply_context_window(slot, settings.max_context_window)
     sequences = None

@@ -64,25 +64,34 @@ def chain_params(params, response_ids, config):
     return jax.tree.map_with_path(edit, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    corpus = [render_chat(slot.prefix, slot.history)[1]["content"] for slot in make_slots()] * 5
-    tokenizer = train_chat_tokenizer(corpus + [f"<think>{RESPONSE}"] * 20, tmp_path_factory.mktemp("tok"),
-                                     vocab_size=1024)
+def tiny_policy(corpus, response, folder, new_tokens):
+    """A tokenizer trained on ``corpus`` and ``response``, a tiny random policy and its greedy chain for ``response``.
+
+    Returns ``(tokenizer, config, graphdef, random params, chain params, greedy sampler config)``.
+    """
+    tokenizer = train_chat_tokenizer(corpus + [f"<think>{response}"] * 20, folder, vocab_size=1024)
     config = TransformerConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
                                num_heads=4, num_kv_heads=2, head_dim=8)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(0)))
-    chain = [tokenizer.convert_tokens_to_ids("<think>")] + tokenizer.encode(RESPONSE) + [tokenizer.eos_token_id]
+    chain = [tokenizer.convert_tokens_to_ids("<think>")] + tokenizer.encode(response) + [tokenizer.eos_token_id]
     assert len(set(chain)) == len(chain), "the chain model needs distinct tokens"
-    sampler_config = SamplerConfig(max_new_tokens=NEW_TOKENS, greedy=True, stop_ids=(tokenizer.eos_token_id,),
+    sampler_config = SamplerConfig(max_new_tokens=new_tokens, greedy=True, stop_ids=(tokenizer.eos_token_id,),
                                    pad_id=tokenizer.pad_token_id)
+    return tokenizer, config, graphdef, params, chain_params(params, chain, config), sampler_config
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    corpus = [render_chat(slot.prefix, slot.history)[1]["content"] for slot in make_slots()] * 5
+    tokenizer, config, graphdef, params, chain, sampler_config = tiny_policy(corpus, RESPONSE,
+                                                                              tmp_path_factory.mktemp("tok"), NEW_TOKENS)
     tables = [build_env_tables(envs.make(t, CUSTOM_ENVS), tokenizer, SETTINGS) for t in TAGS]
     mesh = make_mesh(MeshConfig(2, 4, 1))
     fused = make_fused_rollout(graphdef, config, sampler_config, tables, ROWS, tokenizer, SETTINGS, mesh)
-    return dict(tokenizer=tokenizer, config=config, graphdef=graphdef, random=params,
-                chain=chain_params(params, chain, config), tables=tables, fused=fused, mesh=mesh,
-                host_sampler=make_sampler(graphdef, sampler_config), sampler_config=sampler_config)
+    return dict(tokenizer=tokenizer, config=config, graphdef=graphdef, random=params, chain=chain, tables=tables,
+                fused=fused, mesh=mesh, host_sampler=make_sampler(graphdef, sampler_config),
+                sampler_config=sampler_config)
 
 
 def tag_ids():

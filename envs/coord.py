@@ -1,0 +1,189 @@
+"""RAGEN-2's coordinate observations: ``CoordSokoban`` and ``CoordFrozenLake`` (ragen2.md §7.1, §7.2).
+
+``observation_format`` is ``grid`` (V1), ``coord`` (the coordinates block alone) or ``grid_coord``
+(``"Coordinates: \\n" + block + "\\nGrid Map: \\n" + grid``). FrozenLake also takes RAGEN-2's ``success_rate``.
+On the fused driver, one-box Sokoban renders every format (coordinate lines as token slots); FrozenLake's
+coordinate formats and multi-box Sokoban's are host-only.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from envs.base import render_grid
+from envs.text_pieces import build_piece_renderer
+from envs.tokens import _row_texts, build_grid_renderer
+from envs.frozen_lake import GOAL, HOLE, START, FrozenLake, FrozenLakeParams
+from envs.sokoban import PLAYER_ON_TARGET, Sokoban
+from envs.sokoban_generation import BOX, BOX_ON_TARGET, PLAYER, TARGET
+
+FORMATS = ("grid", "coord", "grid_coord")
+COORD_SOKOBAN_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n"
+    "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). \n"
+    "When you are exactly next to a box, you can push it by moving in the same direction. \n"
+    "You cannot push a box through a wall, and you cannot pull a box.\n"
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+COORD_FROZEN_LAKE_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. The observation includes both a symbol grid and zero-indexed coordinates "
+    "for the start, goal, player, and any holes.\n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5).\n"
+    "Beware that the ice is slippery, so the agent might slide and end up in an unintended tile.\n"
+    "Respond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n"
+)
+
+
+def _check_format(observation_format: str) -> str:
+    if observation_format not in FORMATS:
+        raise ValueError(f"observation_format must be one of {FORMATS}, got {observation_format!r}")
+    return observation_format
+
+
+def coordinate_block(shape, groups) -> str:
+    """``Board size: …`` then ``{label}: (r, c), …`` for each non-empty ``(label, mask)`` group."""
+    lines = [f"Board size: {shape[0]} rows x {shape[1]} cols (zero-indexed)."]
+    for label, mask in groups:
+        cells = np.argwhere(mask)
+        if len(cells):
+            lines.append(f"{label}: " + ", ".join(f"({r}, {c})" for r, c in cells))
+    return "\n".join(lines)
+
+
+def grid_only_renderer(env, tokenizer):
+    """The fused driver's renderer: the grid format only (coordinates are rendered on the host)."""
+    if env.observation_format != "grid":
+        raise ValueError(f"{env.tag}: observation_format={env.observation_format!r} has no on-device renderer; "
+                         "set agent_proxy.rollout_driver=host (or observation_format=grid)")
+    return build_grid_renderer(env, tokenizer)
+
+
+def compose(observation_format: str, block: str, grid: str) -> str:
+    if observation_format == "grid":
+        return grid
+    if observation_format == "coord":
+        return block
+    return "Coordinates: \n" + block + "\n" + "Grid Map: \n" + grid
+
+
+class CoordSokoban(Sokoban):
+    """RAGEN-2's Sokoban, rendered in one of its formats; the defaults are the ``CoordSokoban`` tag's."""
+
+    tag = "CoordSokoban"
+    env_instruction = COORD_SOKOBAN_INSTRUCTION
+    max_tokens = 120
+
+    def __init__(self, dim_room: tuple[int, int] = (6, 6), num_boxes: int = 1, search_depth: int = 300,
+                 max_steps: int = 100, observation_format: str = "grid_coord", generator: str = "reverse_play"):
+        super().__init__(dim_room, num_boxes, search_depth, generator=generator, max_steps=max_steps)
+        self.observation_format = _check_format(observation_format)
+
+    def render_text(self, state) -> str:
+        return self.text_of_obs(np.asarray(jax.device_get(self.observe(state))))
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, num_checks: int = 64):
+        """The grid format's row tables, or for one box the coordinate lines as slots (then the grid rows)."""
+        if self.observation_format == "grid" or self.num_boxes != 1:
+            return grid_only_renderer(self, tokenizer)
+        height, width = self.dim_room
+        cells = [(r, c) for r in range(height) for c in range(width)]
+        head = f"Coordinates: \nBoard size: {height} rows x {width} cols (zero-indexed).\nTargets: "
+        grid = self.observation_format == "grid_coord"
+        slots = [[f"{head}({r}, {c})\n" for r, c in cells],
+                 [f"{label}: ({r}, {c})\n" for label in ("Boxes", "Boxes on target") for r, c in cells],
+                 [f"{label}: ({r}, {c})\n" + ("Grid Map: \n" if grid else "")
+                  for label in ("Player", "Player on target") for r, c in cells]]
+        symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
+        if grid:
+            slots += [_row_texts(symbols, width, True) for _ in range(height)]
+        radix = len(symbols) ** jnp.arange(width - 2)
+
+        def index_of(obs):
+            flat = obs.ravel().astype(jnp.int32)
+            target = jnp.argmax((flat == TARGET) | (flat == BOX_ON_TARGET) | (flat == PLAYER_ON_TARGET))
+            box = jnp.argmax((flat == BOX) | (flat == BOX_ON_TARGET)) + jnp.any(flat == BOX_ON_TARGET) * len(cells)
+            player = jnp.argmax((flat == PLAYER) | (flat == PLAYER_ON_TARGET)) + jnp.any(flat == PLAYER_ON_TARGET) * len(
+                cells)
+            rows = jnp.sum(obs[:, 1:-1].astype(jnp.int32) * radix, axis=1) if grid else jnp.zeros(0, jnp.int32)
+            return jnp.concatenate([jnp.stack([target, box, player]), rows])
+
+        return build_piece_renderer(self, tokenizer, slots, index_of, self._sample_obs(num_checks),
+                                    self.text_of_obs)
+
+    def _sample_obs(self, count: int) -> np.ndarray:
+        """Random one-box rooms: walled border, random interior walls, target, box and player in every relation."""
+        height, width = self.dim_room
+        rng = np.random.default_rng(0)
+        out = []
+        for k in range(count):
+            room = np.where(rng.random((height, width)) < 0.3, 0, 1).astype(np.int8)
+            room[[0, -1], :], room[:, [0, -1]] = 0, 0
+            inside = [(r, c) for r in range(1, height - 1) for c in range(1, width - 1)]
+            t, b, p = (inside[i] for i in rng.choice(len(inside), 3, replace=False))
+            room[t], room[b], room[p] = 2, 4, 5
+            if k % 3 == 1:
+                room[t], room[b] = 3, 1
+            elif k % 3 == 2:
+                room[t], room[p] = 6, 1
+            out.append(room)
+        return np.stack(out)
+
+    def text_of_obs(self, obs: np.ndarray) -> str:
+        """The observation text of ``get_obs`` codes (targets are the cells coded 2, 3 or 6)."""
+        on = obs == PLAYER_ON_TARGET
+        room = np.where(on, PLAYER, obs)
+        fixed = np.where((obs == BOX_ON_TARGET) | on | (obs == TARGET), TARGET, np.where(obs == 0, 0, 1))
+        target = fixed == TARGET
+        block = coordinate_block(room.shape, [("Targets", target), ("Boxes", room == BOX),
+                                              ("Boxes on target", room == BOX_ON_TARGET),
+                                              ("Player", (room == PLAYER) & ~target),
+                                              ("Player on target", (room == PLAYER) & target)])
+        return compose(self.observation_format, block, render_grid(obs, self.grid_lookup))
+
+
+class CoordFrozenLake(FrozenLake):
+    """RAGEN-2's FrozenLake: ``p`` 0.9, gymnasium's ``success_rate`` slip law and the coordinate formats.
+
+    The defaults are the ``CoordFrozenLake`` tag's.
+    """
+
+    tag = "CoordFrozenLake"
+    env_instruction = COORD_FROZEN_LAKE_INSTRUCTION
+    max_tokens = 120
+
+    def __init__(self, size: int = 4, p: float = 0.9, is_slippery: bool = True, success_rate: float = 0.8,
+                 observation_format: str = "grid_coord"):
+        super().__init__(size, p, is_slippery)
+        if not 0.0 <= success_rate <= 1.0:
+            raise ValueError(f"success_rate must be a probability in [0, 1], got {success_rate!r}")
+        self.params = FrozenLakeParams(p=self.params.p, is_slippery=self.params.is_slippery,
+                                       success_rate=float(success_rate))
+        self.observation_format = _check_format(observation_format)
+
+    def render_text(self, state) -> str:
+        desc = np.asarray(jax.device_get(state.desc))
+        here = np.zeros(desc.shape, bool)
+        here.ravel()[int(state.position)] = True
+        tile = desc.ravel()[int(state.position)]
+        player = "Player on goal" if tile == GOAL else "Player in hole" if tile == HOLE else "Player"
+        block = coordinate_block(desc.shape, [("Start", desc == START), ("Goal", desc == GOAL), (player, here),
+                                              ("Holes", desc == HOLE)])
+        return compose(self.observation_format, block, render_grid(self.observe(state), self.grid_lookup))
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
+        return grid_only_renderer(self, tokenizer)
+
+    def step_reward_values(self, params) -> tuple[float, ...]:
+        return (0.0, 1.0)
+
+
+def slipper_success_rate(slipper_rate) -> float:
+    """``success_rate`` of a slipper-sweep rate: ``50``, ``0.5`` and ``"50%"`` all mean half (``1 - rate``)."""
+    text = str(slipper_rate).strip().rstrip("%")
+    rate = float(text)
+    if str(slipper_rate).strip().endswith("%") or rate > 1:
+        rate /= 100
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"slipper_rate must be in [0, 100]%, got {slipper_rate!r}")
+    return float(f"{1 - rate:.6f}")

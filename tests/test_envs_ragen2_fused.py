@@ -1,0 +1,65 @@
+"""2048, the 2x2 cube and CoordSokoban (grid_coord) in the fused driver: the host driver's trajectories (greedy)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import envs
+from envs.text import env_prefix
+from starpo_jax.env_manager import GymnaxHostEnv, reset_slot
+from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
+from starpo_jax.models.kv_cache import init_cache
+from starpo_jax.rollout import RolloutSettings, host_rollout
+from starpo_jax.sampler import make_sampler
+from starpo_jax.trajectory import render_chat
+from test_starpo_fused_rollout import assert_same, tiny_policy
+
+TAGS = ("Short2048", "rubikscube", "CoordSokoban")
+ROWS = (2, 2, 2)
+SEEDS = (3, 4, 5, 6, 7, 8)
+RESPONSE = "go</think><answer>Up || U</answer>"  # one name is valid in each game, the other a format penalty
+NEW_TOKENS = 12
+SETTINGS = RolloutSettings(max_turn=2, max_model_len=1024, train_on_sampled_ids=True, bucket=1024,
+                           max_actions_per_turn=2)
+CUSTOM_ENVS = {**envs.CUSTOM_ENVS_V2,
+               "Short2048": dataclasses.replace(envs.RAGEN2_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50)}
+
+
+def make_slots():
+    tags = [b for b, n in enumerate(ROWS) for _ in range(n)]
+    return [reset_slot(GymnaxHostEnv(envs.make(TAGS[tag], CUSTOM_ENVS)), seed, group, tag)
+            for group, (seed, tag) in enumerate(zip(SEEDS, tags))]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    slots = make_slots()
+    corpus = [render_chat(s.prefix, s.history)[1]["content"] for s in slots] * 5 + [env_prefix(s.env) for s in slots]
+    tokenizer, config, graphdef, _, params, sampler_config = tiny_policy(corpus, RESPONSE,
+                                                                         tmp_path_factory.mktemp("tok"), NEW_TOKENS)
+    tables = [build_env_tables(envs.make(t, CUSTOM_ENVS), tokenizer, SETTINGS) for t in TAGS]
+    fused = make_fused_rollout(graphdef, config, sampler_config, tables, ROWS, tokenizer, SETTINGS)
+    return dict(tokenizer=tokenizer, config=config, params=params, fused=fused,
+                host_sampler=make_sampler(graphdef, sampler_config))
+
+
+def test_fused_equals_host_on_2048_the_cube_and_coord_sokoban(setup):
+    slots = make_slots()
+    cache = init_cache(setup["config"], len(slots), SETTINGS.max_model_len + NEW_TOKENS)
+    host = host_rollout(setup["host_sampler"], setup["params"], setup["tokenizer"], slots, cache, jax.random.key(7),
+                        SETTINGS)
+    out = fused_rollout(setup["fused"], setup["params"], setup["tokenizer"], SEEDS, range(len(SEEDS)),
+                        jax.random.key(7))
+    assert_same(*out, host, slots)
+    assert all(s.num_actions > 0 for s in slots) and all(s.penalty < 0 for s in slots)
+    text = setup["tokenizer"].decode(out.trajectory.input_ids[0])
+    assert "Current 2048 Grid:" in text and text.count("<|im_start|>assistant\n<think>") >= 2
+    assert np.mean([m["action_is_valid"] for m in out.metrics]) > 0
+
+
+def test_coordinate_observations_and_v2_bandit_are_host_only(setup):
+    for tag in ("CoordFrozenLake", "Bandit"):
+        with pytest.raises(ValueError, match=f"{tag}.*rollout_driver=host"):
+            build_env_tables(envs.make(tag, envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)

@@ -46,7 +46,8 @@ def resumable_loop(step_fn: Callable[[Any, int], tuple[Any, Mapping[str, Any]]],
                 on_row(done, last)
             bar.update(done, last)
             stop = preemption.requested()  # asked once: a signal between two asks would skip the save
-            due = checkpoint_fn is not None and (stop or done == num_steps or (save_every > 0 and done % save_every == 0))
+            cadence = save_every > 0 and done % save_every == 0
+            due = checkpoint_fn is not None and (stop or done == num_steps or cadence)
             if due:
                 checkpoint_fn(done, state)
             try:

@@ -111,10 +111,12 @@ def test_the_optimizer_follows_the_warmup():
 
 @pytest.fixture(scope="module")
 def warmup_run():
-    """GAE with 2 actor epochs, shuffled, a critic of its own batch sizes and critic_warmup=2, two iterations."""
+    """GAE with 2 actor epochs, shuffled, a critic of its own batch sizes and epochs, critic_warmup=2: two
+    iterations."""
     config = load_config("starpo-s-ppo", OVERRIDES + (
         "micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=True",
-        "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size_per_gpu=1", "trainer.critic_warmup=2",
+        "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size_per_gpu=1", "critic.ppo_epochs=2",
+        "trainer.critic_warmup=2",
         "trainer.total_training_steps=4", "actor_rollout_ref.actor.optim.lr_warmup_steps=2"))
     mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh):
@@ -134,8 +136,8 @@ def test_critic_warmup_leaves_the_actor_unchanged_then_epochs_count(warmup_run):
     (params_0, actor_steps_0, critic_steps_0, metrics_0), (params_1, actor_steps_1, critic_steps_1, metrics_1) = runs
     chex.assert_trees_all_close(params_0, before, rtol=0, atol=0)  # iteration 1 < critic_warmup = 2
     assert actor_steps_0 == 0 and "actor/pg_loss" not in metrics_0 and "critic/vf_loss" in metrics_0
-    # 2 of 4 groups kept × 4 rollouts = 8 rows: actor 2 epochs × 8 / 4, critic 1 epoch × 8 / 2 mini-batches.
-    assert (actor_steps_1, critic_steps_0, critic_steps_1) == (4, 4, 8)
+    # 2 of 4 groups kept × 4 rollouts = 8 rows: actor 2 epochs × 8 / 4, critic 2 epochs × 8 / 2 mini-batches.
+    assert (actor_steps_1, critic_steps_0, critic_steps_1) == (4, 8, 16)
     # The actor's first iteration is warmup iteration 0 of 2 (its optimizer counts only its own updates): lr 0.
     assert metrics_1["actor/lr"] == 0.0 and metrics_1["critic/lr"] == pytest.approx(1e-3)
     chex.assert_trees_all_close(params_1, before, rtol=0, atol=0)

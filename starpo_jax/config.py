@@ -26,9 +26,9 @@ import envs
 from envs.base import TextEnvironment
 from envs.registry import CUSTOM_ENVS, ENV_TYPES, EnvEntry, env_config_types
 from runtime.wandb_logger import LOGGERS, check_loggers
+from starpo_jax.config_keys import check_refused, lora_targets, validate_optim
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
 from starpo_jax.losses import KL_ESTIMATORS, LOSS_AGG_MODES
-from starpo_jax.config_keys import check_refused, lora_targets, validate_optim
 from starpo_jax.scores import GROUPINGS, NORMALIZATION_METHODS
 
 
@@ -458,6 +458,8 @@ def validate(config: StarPOConfig) -> StarPOConfig:
     check_refused(config)
     if config.lora.rank:
         lora_targets(config.lora)
+    changed = [f"lora.{k}" for k in ("alpha", "target_modules") if getattr(config.lora, k) != getattr(LoraConfig(), k)]
+    _require(config.lora.rank > 0 or not changed, f"{', '.join(changed)} shape(s) LoRA adapters: set lora.rank > 0")
     warmup = config.trainer.critic_warmup
     _require(warmup >= 0, f"trainer.critic_warmup must be >= 0, got {warmup}")
     _validate_env_groups(config.es_manager.train, "es_manager.train")

@@ -110,6 +110,8 @@ def test_lora_target_modules_parse_and_bad_names_fail_naming_the_key():
     assert lora_targets(dataclasses.replace(lora, target_modules="[q_proj, v_proj]")) == ("q_proj", "v_proj")
     with pytest.raises(ValueError, match="lora.target_modules must be all-linear"):
         load_config("starpo-s-ppo-lora", ["lora.target_modules=q_proj,qkv"])
+    with pytest.raises(ValueError, match=r"lora.target_modules shape\(s\) LoRA adapters: set lora.rank > 0"):
+        load_config("starpo-s-ppo", ["lora.target_modules=[q_proj]"])
 
 
 @pytest.mark.parametrize("override,match", [

@@ -145,9 +145,13 @@ def test_critic_warmup_leaves_the_actor_unchanged_then_epochs_count(warmup_run):
 
 
 def test_lora_target_modules_restrict_the_adapters():
-    config = load_config("starpo-s-ppo-lora", OVERRIDES + ("lora.rank=4", "lora.target_modules=[q_proj,v_proj]"))
-    model = CausalLM(MODEL, lora=lora_config(config), rngs=nnx.Rngs(0))
-    adapted = {str(path[-2]) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
-    assert adapted == {"q_proj", "v_proj"}
-    everything = CausalLM(MODEL, lora=lora_config(load_config("starpo-s-ppo-lora", OVERRIDES)), rngs=nnx.Rngs(0))
-    assert len({str(p[-2]) for p, _ in nnx.to_flat_state(nnx.state(everything, nnx.LoRAParam))}) == 7
+    config = load_config("starpo-s-ppo-lora", OVERRIDES + ("lora.rank=4", "lora.target_modules=q_proj,v_proj"))
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+
+    def adapted(lora):
+        with jax.set_mesh(mesh):
+            model = create_sharded(lambda: CausalLM(MODEL, lora=lora, rngs=nnx.Rngs(0)), mesh)
+        return {str(path[-2]) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+
+    assert adapted(lora_config(config)) == {"q_proj", "v_proj"}
+    assert len(adapted(lora_config(load_config("starpo-s-ppo-lora", OVERRIDES)))) == 7

@@ -29,7 +29,7 @@ from starpo_jax.chat_tokenizer import train_chat_tokenizer
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
-from starpo_jax.iteration import build_learner, num_micro_batches, select_groups, update
+from starpo_jax.iteration import build_learner, select_groups, update
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.transformer import CausalLM, Critic
@@ -137,7 +137,7 @@ def main():
             f"ppo_mini_batch_size={kept}", f"micro_batch_size_per_gpu={min(4, kept)}",
             "train_on_sampled_ids=True", "agent_proxy.rollout_driver=fused"))
         critic = create_sharded(lambda: Critic(model_config, rngs=nnx.Rngs(1)), mesh)
-        learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh, num_micro_batches(config, mesh))
+        learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh)
         frozen = learner.actor_frozen
 
         def iteration(actor, critic_state):

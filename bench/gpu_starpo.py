@@ -43,7 +43,7 @@ from flax import nnx  # noqa: E402
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded
 from starpo_jax.filtering import num_kept_groups
-from starpo_jax.iteration import build_learner, num_micro_batches, update
+from starpo_jax.iteration import build_learner, update
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.models.transformer import CausalLM, Critic
@@ -185,8 +185,7 @@ def main() -> None:
         clock = time.perf_counter()
         policy = create_sharded(lambda: CausalLM(model, rngs=nnx.Rngs(0)), mesh)
         critic = create_sharded(lambda: Critic(model, rngs=nnx.Rngs(1)), mesh)
-        learner, actor, critic_state, graphdef = build_learner(config, policy, critic, mesh,
-                                                               num_micro_batches(config, mesh))
+        learner, actor, critic_state, graphdef = build_learner(config, policy, critic, mesh)
         count = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
         print(f"parameters: {count / 1e6:.1f}M; init {time.perf_counter() - clock:.1f} s")
         sampler = make_sampler(graphdef, SamplerConfig(new_tokens, temperature=1.0), mesh=mesh)

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from launch.starpo import make_slots, rollout_settings
 from runtime.mesh import MeshConfig, make_mesh
 from starpo_jax.config import EnvConfigs, EnvGroupsConfig, StarPOConfig
 from starpo_jax.env_manager import Slot
@@ -32,6 +31,7 @@ from starpo_jax.models.hf_io import load_pretrained, resolve_folder
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.presets import PRESETS, load_config
 from starpo_jax.rollout import host_rollout
+from starpo_jax.rollout_drivers import make_slots, rollout_settings
 from starpo_jax.sampler import SamplerConfig, make_sampler
 from starpo_jax.tokenizer import chat_prompt, encode_left_padded, load_tokenizer, require_chat_template
 from starpo_jax.trajectory import render_chat

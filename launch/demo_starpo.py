@@ -9,7 +9,7 @@
    after map-reading drills; Bandit shows each prompt with both arms. So the policy
    learns the format and starts near chance on both.
 4. StarPO-S (GRPO variant, ``DEMO_PRESET``), one stage per environment, each
-   ``launch.starpo.train`` from the SFT model; validation on held-out seeds before the
+   ``starpo_jax.trainer.train`` from the SFT model; validation on held-out seeds before the
    first and after the last iteration.
    ``custom_envs.*`` overrides configure the environments of the demonstrations and of
    every stage; the demo's FrozenLake has no slip unless
@@ -49,6 +49,7 @@ from starpo_jax.plots import plot_echo_trap, plot_sft
 from starpo_jax.presets import load_config
 from starpo_jax.rollout import RolloutSettings, pack_trajectory
 from starpo_jax.sft import fit
+from starpo_jax.trainer import train
 from starpo_jax.trajectory import render_chat
 
 # Demonstrations use seeds far from RAGEN's train (10000 + …) and validation (123 + …) seeds.
@@ -209,8 +210,6 @@ def run(out: Path, mesh: Mesh, preset: str = DEMO_PRESET, overrides: Sequence[st
 
     ``overrides`` (RAGEN ``key=value``) apply to every StarPO stage after the demo's own.
     """
-    from launch.starpo import train
-
     clock = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*config.custom_envs, *overrides]

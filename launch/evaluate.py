@@ -28,17 +28,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from launch.starpo import env_metrics, make_player, rollout_settings
 from runtime.checkpoint import Checkpointer
 from runtime.mesh import make_mesh
 from runtime.run_folder import check_output
 from starpo_jax.config import EnvConfigs, EnvGroupsConfig, StarPOConfig
-from starpo_jax.iteration import build_learner, num_micro_batches
+from starpo_jax.iteration import build_learner
 from starpo_jax.models.hf_io import check_model_folder, load_pretrained
-from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.presets import PRESETS, load_config, mesh_config
+from starpo_jax.rollout_drivers import make_player, rollout_settings
 from starpo_jax.sampler import SamplerConfig
 from starpo_jax.tokenizer import load_tokenizer
+from starpo_jax.trainer import env_metrics, lora_config
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -59,7 +59,7 @@ def group_pass_at_k(successes: np.ndarray, ks: Sequence[int]) -> dict[str, float
 
 def load_policy(config: StarPOConfig, mesh, checkpoint: Path | None, step: int | None):
     """``(graphdef, params, model_config, step)`` of the HF policy, or of an orbax checkpoint restored onto it."""
-    lora = LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha)) if config.lora.rank else None
+    lora = lora_config(config)
     policy = load_pretrained(config.model_path, mesh, lora=lora if checkpoint else None, seed=config.seed.train)
     if checkpoint is None:
         graphdef, params = nnx.split(policy)
@@ -67,8 +67,7 @@ def load_policy(config: StarPOConfig, mesh, checkpoint: Path | None, step: int |
     folder = checkpoint / "checkpoints" if (checkpoint / "checkpoints").is_dir() else checkpoint
     critic = load_pretrained(config.model_path, mesh, critic=True, lora=lora, seed=config.seed.train) \
         if config.use_critic else None
-    learner, actor, critic_state, graphdef = build_learner(config, policy, critic, mesh,
-                                                           num_micro_batches(config, mesh))
+    learner, actor, critic_state, graphdef = build_learner(config, policy, critic, mesh)
     with Checkpointer(folder, create=False) as ckpt:
         restored, _, restored_step = ckpt.restore({"actor": actor, "critic": critic_state}, step)
     return graphdef, nnx.merge_state(restored["actor"].params, learner.actor_frozen), policy.config, restored_step

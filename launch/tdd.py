@@ -27,7 +27,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from flax import nnx
 from PIL import Image
 
 from launch.tdd_loop import distil_loop
+from launch.tdd_run import DISTIL_PRESETS, DistilRunConfig, check_distil, check_teacher, fail, vae_factor
 from runtime.checkpoint import Checkpointer
 from runtime.config import parse_config
 from runtime.preset import build_config
@@ -43,76 +44,18 @@ from runtime.mesh import MeshConfig, make_mesh
 from runtime.run_folder import RunFolder, check_output
 from tdd_jax.adversarial import (NON_FINITE_KEYS, AdversarialConfig, AdversarialState, compile_adversarial_step,
                                  init_adversarial_state)
-from tdd_jax.data import (IMAGE_EXTENSIONS, LATENT_SAMPLING, build_cache, cache_batches, iter_source, load_cache,
-                          num_crops, save_image_grid, to_uint8)
+from tdd_jax.data import build_cache, cache_batches, iter_source, load_cache, num_crops, save_image_grid, to_uint8
 from tdd_jax.distill import (DistillConfig, Unconditional, compile_distill_step, init_distill_state,
                              make_distill_step, split_model, unconditional_embedding)
 from tdd_jax.fresh_crops import EncoderFrozen, crop_batches, encoding_step
 from tdd_jax.models.clip import prompt_embeddings, tokenize
-from tdd_jax.models.diffusers_io import load_pipeline, read_config
+from tdd_jax.models.diffusers_io import load_pipeline
 from tdd_jax.models.lora import LoraConfig, add_lora
 from tdd_jax.models.lora_io import export_kohya, export_peft, import_lora, read_lora_file
-from tdd_jax.sampler import Conditioning, make_sampling_plan, module_eps_fn, tdd_sample
+from tdd_jax.sampler import Conditioning, make_sampling_plan, sample_module
 from tdd_jax.schedules import alphas_cumprod_from_config
 
 EXPORTERS = {"kohya": export_kohya, "peft": export_peft}
-LATENT_CACHES = ("posterior", "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class DistilRunConfig:
-    """A distillation run. ``batch_size`` is global; ``distill.num_microbatches`` accumulates gradients.
-
-    ``cache`` defaults to ``<out>/cache``; it is built from ``data`` when it holds no shards.
-    ``mesh`` is (data, fsdp, tensor), one entry may be -1. Steps with non-finite gradients are skipped;
-    ``max_consecutive_non_finite`` of them in a row stop the run after a checkpoint of the last finite state.
-    ``crops_per_image`` K caches K random crops per image (one shown per visit); ``latent_sampling``
-    ``sample`` draws each step's latent from the cached posterior (reference), ``mean`` uses its mean.
-    ``latent_cache`` ``posterior`` caches the posteriors of K crops; ``none`` caches only the text
-    embeddings and encodes a fresh crop of every visited image with the VAE inside the step
-    (``tdd_jax.fresh_crops``; the images are held decoded in host memory).
-    ``adversarial`` trains TDD-adv with ``adv``; ``max_train_steps`` then counts discriminator and student
-    updates together, as the reference's ``global_step``.
-    """
-
-    teacher: str = ""
-    data: str = ""
-    cache: str = ""
-    out: str = "runs/tdd"
-    resolution: int = 1024
-    batch_size: int = 512
-    max_train_steps: int = 100_000
-    checkpointing_steps: int = 5000
-    max_consecutive_non_finite: int = 5
-    lora_rank: int = 64
-    lora_alpha: float = 8.0
-    seed: int = 453645634
-    mesh: tuple[int, int, int] = (1, -1, 1)
-    unet_dtype: str = "float32"
-    remat: bool = False
-    random_flip: bool = False
-    use_fix_crop_and_size: bool = True
-    crops_per_image: int = 1
-    latent_sampling: str = "sample"
-    latent_cache: str = "posterior"
-    adversarial: bool = False
-    distill: DistillConfig = DistillConfig(num_microbatches=4)
-    adv: AdversarialConfig = AdversarialConfig()
-
-
-DISTIL_PRESETS = {
-    # train_tdd.sh: 16 per GPU x 8 GPUs x 4 accumulation steps, lr 1e-6, N_ddim 250, huber, p_empty 0.2, zeros.
-    "sdxl": DistilRunConfig(),
-    # train/SD15/train_tdd.py defaults (512 px, N_ddim 50, lr 1e-4, l2, wd 1e-2, encoded ""), but p_empty 0.2
-    # (tdd.md §18.12); SDXL's batch. TDD-adv's discriminator has heads on the up blocks too (9 heads).
-    "sd15": DistilRunConfig(resolution=512, distill=DistillConfig(
-        num_ddim_timesteps=50, learning_rate=1e-4, loss_type="l2", adam_weight_decay=1e-2,
-        teacher_uncond="empty_prompt", num_microbatches=4), adv=AdversarialConfig(up_blocks=True)),
-    "tiny": DistilRunConfig(resolution=8, batch_size=8, max_train_steps=4, checkpointing_steps=1, lora_rank=4,
-                            lora_alpha=4.0, seed=0, distill=DistillConfig(num_ddim_timesteps=50, learning_rate=1e-3,
-                                                                          teacher_uncond="empty_prompt"),
-                            adv=AdversarialConfig(head_groups=8)),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,76 +93,6 @@ class ExportConfig:
     step: int | None = None
     format: str = "kohya"
     out: str = ""
-
-
-def fail(field: str, message: str) -> None:
-    raise ValueError(f"{field}: {message}")
-
-
-def check_teacher(folder: str, field: str = "teacher") -> dict:
-    """The teacher's UNet config, after checking the diffusers folder layout; errors name the missing file."""
-    if not folder:
-        fail(field, "give a diffusers pipeline folder, e.g. teacher=/models/stable-diffusion-v1-5")
-    for needed in ("model_index.json", "unet/config.json", "scheduler/scheduler_config.json"):
-        if not os.path.isfile(os.path.join(folder, needed)):
-            fail(field, f"{folder!r} is not a diffusers pipeline folder: missing {needed}")
-    unet = read_config(os.path.join(folder, "unet"))
-    if unet.get("addition_embed_type") == "text_time":
-        with open(os.path.join(folder, "model_index.json")) as f:
-            if not (json.load(f).get("text_encoder_2") or [None])[0]:
-                fail(field, f"the UNet in {folder!r} is SDXL (addition_embed_type='text_time') but model_index.json "
-                            "lists no text_encoder_2")
-    return unet
-
-
-def vae_factor(folder: str) -> int:
-    return 2 ** (len(read_config(os.path.join(folder, "vae"))["block_out_channels"]) - 1)
-
-
-def check_distil(cfg: DistilRunConfig) -> dict:
-    """Validates a run before anything is loaded or compiled; returns the teacher's UNet config."""
-    unet = check_teacher(cfg.teacher)
-    for field in ("resolution", "batch_size", "max_train_steps", "checkpointing_steps", "max_consecutive_non_finite",
-                  "lora_rank", "crops_per_image"):
-        if getattr(cfg, field) < 1:
-            fail(field, f"must be >= 1, got {getattr(cfg, field)}")
-    if cfg.latent_cache not in LATENT_CACHES:
-        fail("latent_cache", f"must be one of {LATENT_CACHES}, got {cfg.latent_cache!r}")
-    if cfg.latent_cache == "none":
-        if cfg.cache:
-            fail("cache", f"latent_cache=none reads no cache folder, but cache={cfg.cache!r} was given")
-        if cfg.crops_per_image != 1:
-            fail("crops_per_image", f"latent_cache=none draws a fresh crop per visit; got {cfg.crops_per_image}")
-        if not (cfg.data and os.path.exists(cfg.data)):
-            fail("data", f"{cfg.data!r} does not exist (latent_cache=none reads the images every run)")
-    cache = cfg.cache or os.path.join(cfg.out, "cache")
-    has_cache = os.path.isdir(cache) and any(n.startswith("shard_") for n in os.listdir(cache))
-    if not has_cache and not (cfg.data and os.path.exists(cfg.data)):
-        fail("data", f"{cfg.data!r} does not exist and the cache {cache!r} holds no shards")
-    if cfg.latent_sampling not in LATENT_SAMPLING:
-        fail("latent_sampling", f"must be one of {LATENT_SAMPLING}, got {cfg.latent_sampling!r}")
-    if not has_cache and os.path.isdir(cfg.data) and not any(
-            n.lower().endswith((*IMAGE_EXTENSIONS, ".tar")) for n in os.listdir(cfg.data)):
-        fail("data", f"folder {cfg.data!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}) and no .tar shards")
-    micro = cfg.distill.num_microbatches
-    if cfg.adversarial:
-        if micro != 1 or cfg.distill.ema_decay is not None:
-            fail("adversarial", "TDD-adv steps take the whole batch and target the online student: set "
-                                f"distill.num_microbatches=1 (got {micro}) and distill.ema_decay=null")
-        bad = [c for c in unet["block_out_channels"] if c % cfg.adv.head_groups]
-        if bad:
-            fail("adv.head_groups", f"{cfg.adv.head_groups} must divide the UNet's block channels, not {bad}")
-    if cfg.batch_size % micro:
-        fail("distill.num_microbatches", f"{micro} must divide batch_size={cfg.batch_size}")
-    data, fsdp, _ = MeshConfig(*cfg.mesh).shape(jax.device_count())
-    if (cfg.batch_size // micro) % (data * fsdp):
-        fail("batch_size", f"{cfg.batch_size} / num_microbatches {micro} must be a multiple of the "
-                           f"{data * fsdp} data-parallel devices of mesh={cfg.mesh}")
-    levels = 2 ** (len(unet["block_out_channels"]) - 1)
-    if cfg.resolution % (vae_factor(cfg.teacher) * levels):
-        fail("resolution", f"{cfg.resolution} must be divisible by the VAE factor times the UNet's "
-                           f"{levels}x downsampling ({vae_factor(cfg.teacher) * levels})")
-    return unet
 
 
 _run_encoder = nnx.jit(lambda encoder, ids: encoder(ids))
@@ -323,19 +196,28 @@ def distil_fresh_crops(cfg: DistilRunConfig, sdxl: bool, mesh, run: RunFolder) -
     stream = functools.partial(crop_batches, images, cond, cfg.resolution, cfg.batch_size, cfg.seed,
                                random_flip=cfg.random_flip, use_fix_crop_and_size=cfg.use_fix_crop_and_size)
     vae_graphdef, vae_state = nnx.split(vae)
-    return train(cfg, mesh, run, None, empty, next(stream(0)), stream, vae_state,
-                 lambda step: encoding_step(step, vae_graphdef, cfg.latent_sampling == "sample"))
+    return train(cfg, mesh, run, None, empty, next(stream(0)), FreshCrops(
+        stream, vae_state, lambda step: encoding_step(step, vae_graphdef, cfg.latent_sampling == "sample")))
 
 
-def train(cfg: DistilRunConfig, mesh, run: RunFolder, data, empty: Conditioning, example, stream=None,
-          vae_state=None, wrap=lambda step: step) -> dict[str, float]:
-    """Builds and compiles the (``wrap``ped) step, runs ``distil_loop`` in ``run`` and writes the LoRA at the last
-    step."""
+class FreshCrops(NamedTuple):
+    """``latent_cache=none``: the crop stream, the VAE state the step encodes with, and the step wrapper."""
+
+    stream: Callable[[int], Iterator]
+    vae_state: Any
+    wrap: Callable[[Callable], Callable]
+
+
+def train(cfg: DistilRunConfig, mesh, run: RunFolder, data, empty: Conditioning, example,
+          fresh: FreshCrops | None = None) -> dict[str, float]:
+    """Builds and compiles the step (encoding ``fresh`` crops), runs ``distil_loop`` in ``run`` and writes the LoRA
+    at the last step."""
     out = run.out
     graphdef, state, frozen, abar, heads_graphdef = build_student(cfg, mesh)
     uncond = Unconditional(empty, unconditional_embedding(empty, cfg.distill.teacher_uncond))
     schedule = cfg.distill.schedule(abar)
-    step_frozen = frozen if vae_state is None else EncoderFrozen(frozen, vae_state)
+    step_frozen = frozen if fresh is None else EncoderFrozen(frozen, fresh.vae_state)
+    wrap = (lambda step: step) if fresh is None else fresh.wrap
     if cfg.adversarial:
         step = compile_adversarial_step(graphdef, heads_graphdef, schedule, cfg.distill, cfg.adv, state, step_frozen,
                                         example, mesh, wrap)
@@ -347,7 +229,7 @@ def train(cfg: DistilRunConfig, mesh, run: RunFolder, data, empty: Conditioning,
                               checkpoint_every=cfg.checkpointing_steps,
                               max_consecutive_non_finite=cfg.max_consecutive_non_finite,
                               non_finite_keys=NON_FINITE_KEYS if cfg.adversarial else NON_FINITE_KEYS[:1],
-                              run=run, stream=stream)
+                              run=run, stream=None if fresh is None else fresh.stream)
     if int(state.step) == cfg.max_train_steps:
         export_kohya(nnx.merge(graphdef, student_params(state), frozen.base), str(out / "lora.safetensors"))
     return last
@@ -373,12 +255,6 @@ def export(cfg: ExportConfig) -> Path:
         path = Path(cfg.out or Path(cfg.run) / f"lora_{cfg.format}_step{step}.safetensors")
         EXPORTERS[cfg.format](nnx.merge(graphdef, student_params(state), frozen.base), str(path))
     return path
-
-
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def sample_module(graphdef, state, x_T, cond, uncond, plan, guidance, key):
-    """``tdd_sample`` of the module ``graphdef``/``state`` (compiled once per graph, step count and guidance)."""
-    return tdd_sample(module_eps_fn(nnx.merge(graphdef, state)), x_T, cond, plan, key, uncond, guidance)
 
 
 def sample(cfg: SampleConfig) -> list[Path]:

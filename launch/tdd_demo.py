@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from launch.tdd import sample_module
 from launch.tdd_loop import distil_loop
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_state
@@ -45,7 +44,7 @@ from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile
                              make_distill_step, split_model, unconditional_embedding)
 from tdd_jax.models.lora import LoraConfig, add_lora
 from tdd_jax.models.unet import UNet2DConditionModel, UNetConfig
-from tdd_jax.sampler import Conditioning, make_sampling_plan
+from tdd_jax.sampler import Conditioning, make_sampling_plan, sample_module
 from tdd_jax.schedules import alphas_cumprod_from_config
 from tdd_jax.teacher import ConditionalDenoiser, init_module, train_denoiser
 

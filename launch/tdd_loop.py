@@ -12,15 +12,15 @@ SIGTERM or SIGINT saves a checkpoint at the next step boundary and exits with ``
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from jax.sharding import Mesh
 
 from runtime.checkpoint import Checkpointer
-from runtime.guards import NonFiniteError, NonFiniteGuard
-from runtime.metrics import MetricWriter, ProgressBar, keep_rows
+from runtime.guards import NonFiniteGuard
+from runtime.loop import resumable_loop
+from runtime.metrics import MetricWriter, keep_rows
 from runtime.preemption import PreemptionHandler
 from runtime.run_folder import RunFolder
 from runtime.sharding import shard_batch
@@ -56,34 +56,20 @@ def distil_loop(step: Callable, state: DistillState, frozen: FrozenParams, uncon
     else:
         keep_rows(out / "metrics.jsonl", 0)
     batches = stream(position) if stream else cache_batches(data, batch_size, seed, start=position)
-    last: dict[str, Any] = {}
 
-    def checkpoint(done: int) -> None:
+    def checkpoint(done: int, state) -> None:
         ckpt.save(done, state, {"step": done, "data_position": done, **run.checkpoint_record})
 
+    def one_step(state, i: int):
+        return step(state, frozen, uncond, shard_batch(next(batches), mesh))
+
     try:
-        with MetricWriter(out) as writer, PreemptionHandler() as preemption, \
-                ProgressBar(steps, description, keys=("loss", "grad_norm"), start=start) as bar:
-            for i in range(start, steps):
-                state, metrics = step(state, frozen, uncond, shard_batch(next(batches), mesh))
-                last = writer.write(i + 1, metrics)
-                bar.update(i + 1, last)
-                stop = preemption.requested()
-                due = ckpt is not None and (stop or i + 1 == steps or
-                                            (checkpoint_every and (i + 1) % checkpoint_every == 0))
-                if due:
-                    checkpoint(i + 1)
-                try:
-                    guard.check(i + 1, last)
-                except NonFiniteError:  # skipped updates left the last finite state: keep it
-                    if ckpt is not None:
-                        if not due:
-                            checkpoint(i + 1)
-                        logging.error("saved the last finite state as checkpoint %d in %s", i + 1, ckpt.directory)
-                    raise
-                if stop:
-                    raise preemption.stop(f"saved checkpoint {i + 1} in {ckpt.directory}" if ckpt is not None
-                                          else f"stopped after step {i + 1} (checkpoints are off: nothing saved)")
+        with MetricWriter(out) as writer, PreemptionHandler() as preemption:
+            state, last = resumable_loop(one_step, state, start, steps, checkpoint if ckpt is not None else None,
+                                         writer=writer, guard=guard, preemption=preemption,
+                                         save_every=checkpoint_every or 0,
+                                         checkpoint_dir=ckpt.directory if ckpt is not None else None,
+                                         description=description, bar_keys=("loss", "grad_norm"))
     finally:
         if ckpt is not None:
             ckpt.close()

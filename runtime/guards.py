@@ -50,7 +50,7 @@ class NonFiniteGuard:
         self.max_consecutive, self.keys = max_consecutive, keys
 
     def check(self, step: int, metrics: Mapping[str, float]) -> None:
-        consecutive = max(int(metrics[key]) for key in self.keys if key in metrics)
+        consecutive = max((int(metrics[key]) for key in self.keys if key in metrics), default=0)
         if consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"{consecutive} consecutive steps up to step {step} had non-finite gradients "

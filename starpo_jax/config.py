@@ -25,6 +25,7 @@ import tyro
 from envs.registry import CUSTOM_ENVS, EnvEntry, runs_on_device
 from runtime.wandb_logger import LOGGERS, check_loggers
 from starpo_jax.advantages import ADVANTAGE_ESTIMATORS
+from starpo_jax.config_keys import check_refused, lora_targets, validate_optim
 from starpo_jax.config_types import check_types
 from starpo_jax.custom_envs import validate_custom_envs
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
@@ -51,13 +52,21 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with a constant learning rate and no warmup (starpo.md §10)."""
+    """AdamW; by default a constant learning rate and no warmup (starpo.md §10).
+
+    verl's schedules by training iteration (``starpo_jax.steps.learning_rate``): ``lr_warmup_steps``
+    (``-1``: ``lr_warmup_steps_ratio`` × ``trainer.total_training_steps``) of linear warmup, then ``constant``
+    or ``cosine`` decay to ``min_lr_ratio`` × ``lr`` over ``num_cycles`` cosine periods.
+    """
 
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.01
     lr_warmup_steps_ratio: float = 0.0
-    warmup_style: Literal["constant"] = "constant"
+    lr_warmup_steps: int = -1
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -195,7 +204,7 @@ class AgentProxyConfig:
     use_turn_scores: bool = False
     enable_think: bool = True
     reward_normalization: RewardNormalizationConfig = RewardNormalizationConfig()
-    rollout_driver: Literal["host", "fused"] = "host"  # fused: starpo_jax.fused_rollout (JAX envs, sampled ids)
+    rollout_driver: str = "host"  # a starpo_jax.rollout_drivers.ROLLOUT_DRIVERS name; fused: JAX envs, sampled ids
 
 
 @dataclass(frozen=True)
@@ -229,7 +238,7 @@ class StarPOConfig:
     ppo_mini_batch_size: int = 32
     enable_response_mask: bool = True
     mask_alignment: Literal["reference", "standard"] = "reference"
-    train_on_sampled_ids: bool = False
+    train_on_sampled_ids: bool | None = None  # None: True for agent_proxy.rollout_driver=fused (``resolve``)
     grpo_advantage_length_weight: bool = False
     # Policy and critic: compute dtype (parameters and optimizer states stay float32) and per-layer
     # rematerialisation in the backward pass (verl's enable_gradient_checkpointing).
@@ -271,7 +280,11 @@ def resolve(config: StarPOConfig) -> StarPOConfig:
             ppo_micro_batch_size_per_gpu=config.micro_batch_size_per_gpu if micro is None else micro)
 
     actor_rollout_ref = dataclasses.replace(config.actor_rollout_ref, actor=follow(config.actor_rollout_ref.actor))
-    return dataclasses.replace(config, actor_rollout_ref=actor_rollout_ref, critic=follow(config.critic))
+    sampled_ids = config.train_on_sampled_ids
+    if sampled_ids is None:  # the fused driver generates from and trains on the sampled ids (starpo.md §22.10)
+        sampled_ids = config.agent_proxy.rollout_driver == "fused"
+    return dataclasses.replace(config, actor_rollout_ref=actor_rollout_ref, critic=follow(config.critic),
+                               train_on_sampled_ids=sampled_ids)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -313,10 +326,13 @@ def _validate_batches(config: StarPOConfig) -> None:
         _require(section.grad_clip > 0, f"{path}.grad_clip must be > 0, got {section.grad_clip}")
         _require(section.optim.lr > 0, f"{path}.optim.lr must be > 0, got {section.optim.lr}")
         _require(section.optim.weight_decay >= 0, f"{path}.optim.weight_decay must be >= 0")
+        validate_optim(section.optim, f"{path}.optim")
 
 
 def _validate_names(config: StarPOConfig) -> None:
     """Every name of a registered part is registered; the error names the key and the registered names."""
+    from starpo_jax.rollout_drivers import ROLLOUT_DRIVERS  # it builds on this module's config types
+
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     for registry, key, name in (
             (ADVANTAGE_ESTIMATORS, "algorithm.adv_estimator", algorithm.adv_estimator),
@@ -329,7 +345,8 @@ def _validate_names(config: StarPOConfig) -> None:
             (FILTER_TYPES, "actor_rollout_ref.rollout.rollout_filter_type",
              config.actor_rollout_ref.rollout.rollout_filter_type),
             (NORMALIZATION_METHODS, "agent_proxy.reward_normalization.method",
-             config.agent_proxy.reward_normalization.method)):
+             config.agent_proxy.reward_normalization.method),
+            (ROLLOUT_DRIVERS, "agent_proxy.rollout_driver", config.agent_proxy.rollout_driver)):
         registry.check(name, key)
 
 
@@ -373,11 +390,11 @@ def _validate_rollout(config: StarPOConfig) -> None:
         host_only = [t for t in tags if not runs_on_device(config.custom_envs[t].env_type)]
         _require(not host_only, f"agent_proxy.rollout_driver=fused steps JAX environments on device; {host_only} "
                                 f"are host-only (Countdown): use agent_proxy.rollout_driver=host")
-        _require(config.train_on_sampled_ids, "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True: "
-                                              "it cannot re-render RAGEN's cleaned chat on device (re-tokenising a "
-                                              "cleaned response needs the tokenizer's merges), so it generates from "
-                                              "and trains on the sampled ids (starpo.md §22.10); use "
-                                              "agent_proxy.rollout_driver=host for RAGEN's cleaned turns")
+        _require(config.train_on_sampled_ids is not False,
+                 "agent_proxy.rollout_driver=fused requires train_on_sampled_ids=True (its default there): it cannot "
+                 "re-render RAGEN's cleaned chat on device (re-tokenising a cleaned response needs the tokenizer's "
+                 "merges), so it generates from and trains on the sampled ids (starpo.md §22.10); use "
+                 "agent_proxy.rollout_driver=host for RAGEN's cleaned turns")
         _require(proxy.max_context_window == -1,
                  "agent_proxy.rollout_driver=fused does not support agent_proxy.max_context_window: the cut history "
                  "is re-rendered each turn, so the trajectory is not the one sampled id sequence the fused driver "
@@ -396,6 +413,13 @@ def validate(config: StarPOConfig) -> StarPOConfig:
     _require(config.trainer.max_consecutive_non_finite >= 1, f"trainer.max_consecutive_non_finite must be >= 1, "
                                                              f"got {config.trainer.max_consecutive_non_finite}")
     check_loggers(config.trainer.logger)
+    check_refused(config)
+    if config.lora.rank:
+        lora_targets(config.lora)
+    changed = [f"lora.{k}" for k in ("alpha", "target_modules") if getattr(config.lora, k) != getattr(LoraConfig(), k)]
+    _require(config.lora.rank > 0 or not changed, f"{', '.join(changed)} shape(s) LoRA adapters: set lora.rank > 0")
+    warmup = config.trainer.critic_warmup
+    _require(warmup >= 0, f"trainer.critic_warmup must be >= 0, got {warmup}")
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
     validate_custom_envs(config.custom_envs, config.es_manager)

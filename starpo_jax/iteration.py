@@ -22,11 +22,11 @@ from runtime.sharding import shardings_of
 from runtime.train_state import TrainState, compile_step, init_train_state
 from starpo_jax.advantages import AdvantageInputs, apply_kl_penalty, compute_advantage
 from starpo_jax.config import StarPOConfig
-from starpo_jax.filtering import filter_groups_by_reward_std
+from starpo_jax.filtering import filter_groups_by_reward_std, num_kept_groups
 from starpo_jax.masked import masked_mean
 from starpo_jax.scores import normalization_group_ids, normalize_scores, place_scores_on_last_token
-from starpo_jax.steps import (CriticBatch, PolicyBatch, make_actor_step, make_critic_step, make_log_prob_fn,
-                              make_optimizer, make_value_fn, split_trainable)
+from starpo_jax.steps import (CriticBatch, PolicyBatch, learning_rate, make_actor_step, make_critic_step,
+                              make_log_prob_fn, make_optimizer, make_value_fn, split_trainable)
 from starpo_jax.trajectory import Trajectory
 
 
@@ -52,43 +52,71 @@ class Learner(NamedTuple):
     reference: Any
 
 
-def num_micro_batches(config: StarPOConfig, mesh: Mesh) -> int:
-    """Micro-batches per mini-batch: ``micro_batch_size_per_gpu`` rows on each data-parallel device."""
+def num_micro_batches(config: StarPOConfig, mesh: Mesh, section: str = "actor_rollout_ref.actor") -> int:
+    """Micro-batches per mini-batch of ``section`` (the actor or ``critic``): ``ppo_micro_batch_size_per_gpu``
+    rows on each data-parallel device (both follow the top-level keys unless set)."""
     data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = config.micro_batch_size_per_gpu * data_parallel
-    if config.ppo_mini_batch_size % rows:
-        raise ValueError(f"ppo_mini_batch_size={config.ppo_mini_batch_size} must be a multiple of "
-                         f"micro_batch_size_per_gpu={config.micro_batch_size_per_gpu} x {data_parallel} "
-                         f"data-parallel devices (mesh data x fsdp)")
-    return config.ppo_mini_batch_size // rows
+    mini, micro = _batch_sizes(config, section)
+    if mini % (micro * data_parallel):
+        raise ValueError(f"ppo_mini_batch_size={mini} must be a multiple of micro_batch_size_per_gpu={micro} x "
+                         f"{data_parallel} data-parallel devices (mesh data x fsdp), in {section} (its "
+                         f"ppo_mini_batch_size and ppo_micro_batch_size_per_gpu follow those two unless set)")
+    return mini // (micro * data_parallel)
 
 
-def build_learner(config: StarPOConfig, policy: nnx.Module, critic: nnx.Module | None, mesh: Mesh,
-                  micro_batches: int) -> tuple[Learner, TrainState, TrainState | None, nnx.GraphDef]:
+def _batch_sizes(config: StarPOConfig, section: str) -> tuple[int, int]:
+    """``(ppo_mini_batch_size, ppo_micro_batch_size_per_gpu)`` of ``section``, following the top-level keys."""
+    part = config.critic if section == "critic" else config.actor_rollout_ref.actor
+    mini, micro = part.ppo_mini_batch_size, part.ppo_micro_batch_size_per_gpu
+    return (config.ppo_mini_batch_size if mini is None else mini,
+            config.micro_batch_size_per_gpu if micro is None else micro)
+
+
+def updates_per_iteration(config: StarPOConfig, section: str) -> int:
+    """Optimizer steps of ``section`` per iteration: ``ppo_epochs`` × mini-batches of the filtered batch."""
+    groups = config.es_manager.train
+    kept = num_kept_groups(groups.env_groups, config.actor_rollout_ref.rollout.rollout_filter_ratio) * groups.group_size
+    epochs = (config.critic if section == "critic" else config.actor_rollout_ref.actor).ppo_epochs
+    return epochs * max(1, kept // _batch_sizes(config, section)[0])
+
+
+def _optimizer(config: StarPOConfig, section: str) -> tuple[Any, Any]:
+    """``(tx, lr)`` of ``section``: its AdamW and learning rate (or schedule) over the run's iterations."""
+    part = config.critic if section == "critic" else config.actor_rollout_ref.actor
+    total, per_step = config.trainer.total_training_steps, updates_per_iteration(config, section)
+    return (make_optimizer(part.optim, part.grad_clip, total, per_step),
+            learning_rate(part.optim, total, per_step))
+
+
+def build_learner(config: StarPOConfig, policy: nnx.Module, critic: nnx.Module | None,
+                  mesh: Mesh) -> tuple[Learner, TrainState, TrainState | None, nnx.GraphDef]:
     """Optimisers, train states and compiled steps for a placed policy (and critic, for GAE).
 
     Returns the learner, the actor and critic states, and the policy's graph definition
-    (for the sampler). Only LoRA adapters train when ``config.lora.rank > 0``.
+    (for the sampler). Only LoRA adapters train when ``config.lora.rank > 0``; the actor and the critic
+    each use their own mini- and micro-batch sizes.
     """
+    micro_batches = num_micro_batches(config, mesh)
     lora = config.lora.rank > 0
     actor_cfg, critic_cfg = config.actor_rollout_ref.actor, config.critic
     temperature = config.actor_rollout_ref.rollout.temperature
     rows = batch_sharding(mesh, 2)
     graphdef, trainable, frozen = split_trainable(policy, lora)
     reference = jax.tree.map(jnp.zeros_like if lora else jnp.copy, trainable) if config.needs_ref_log_prob else None
-    actor_tx = make_optimizer(actor_cfg.optim, actor_cfg.grad_clip)
+    actor_tx, actor_lr = _optimizer(config, "actor_rollout_ref.actor")
     actor = init_train_state(trainable, actor_tx, jax.random.key(config.seed.train), mesh)
     critic_state = critic_step = values = critic_frozen = None
     if critic is not None:
         critic_graphdef, critic_trainable, critic_frozen = split_trainable(critic, lora)
-        critic_tx = make_optimizer(critic_cfg.optim, critic_cfg.grad_clip)
+        critic_tx, critic_lr = _optimizer(config, "critic")
+        critic_micro = num_micro_batches(config, mesh, "critic")
         critic_state = init_train_state(critic_trainable, critic_tx, jax.random.key(config.seed.train + 1), mesh)
-        critic_step = compile_step(make_critic_step(critic_graphdef, critic_tx, critic_cfg, micro_batches),
+        critic_step = compile_step(make_critic_step(critic_graphdef, critic_tx, critic_cfg, critic_micro, critic_lr),
                                    critic_state, shardings_of(critic_frozen), rows)
-        values = jax.jit(make_value_fn(critic_graphdef, micro_batches))
+        values = jax.jit(make_value_fn(critic_graphdef, critic_micro))
     learner = Learner(
-        actor_step=compile_step(make_actor_step(graphdef, actor_tx, actor_cfg, micro_batches, temperature), actor,
-                                shardings_of(frozen), rows),
+        actor_step=compile_step(make_actor_step(graphdef, actor_tx, actor_cfg, micro_batches, temperature, actor_lr),
+                                actor, shardings_of(frozen), rows),
         critic_step=critic_step, log_probs=jax.jit(make_log_prob_fn(graphdef, micro_batches, temperature)),
         values=values, actor_frozen=frozen, critic_frozen=critic_frozen, reference=reference)
     return learner, actor, critic_state, graphdef
@@ -129,9 +157,38 @@ def _collect(rows: list[dict]) -> dict[str, list]:
     return collected
 
 
+def run_epochs(step: Callable, state: TrainState, frozen: Any, batch: Any, mini_batch_size: int, epochs: int,
+               shuffle_key: jax.Array | None, sharding: Any) -> tuple[TrainState, list[dict]]:
+    """``epochs`` passes of ``step`` over the ``mini_batch_size``-row mini-batches of ``batch`` (purejaxrl's
+    ``_update_epoch``); returns the state and each step's metrics.
+
+    With ``shuffle_key``, epoch e takes the rows in the order ``permutation(fold_in(shuffle_key, e))``, gathered
+    on device. Steps are dispatched without waiting for their results: no host round trip per mini-batch.
+    """
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    metrics: list[dict] = []
+    for epoch in range(epochs):
+        ordered = batch
+        if shuffle_key is not None:
+            order = jax.random.permutation(jax.random.fold_in(shuffle_key, epoch), rows)
+            ordered = jax.tree.map(lambda x: jnp.asarray(x)[order], batch)
+        for start in range(0, rows, mini_batch_size):
+            mini = jax.tree.map(lambda x: x[start:start + mini_batch_size], ordered)
+            state, m = step(state, frozen, jax.device_put(mini, sharding))
+            metrics.append(m)
+    return state, metrics
+
+
 def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj: Trajectory,
-           config: StarPOConfig, num_tags: int = 1) -> tuple[TrainState, TrainState | None, dict[str, float]]:
-    """Filters, scores and trains on one rollout; returns the new states and RAGEN-named metrics."""
+           config: StarPOConfig, num_tags: int = 1, step: int = 0) -> tuple[TrainState, TrainState | None,
+                                                                              dict[str, float]]:
+    """Filters, scores and trains on one rollout (iteration ``step``, 0-based); returns the new states and
+    RAGEN-named metrics.
+
+    The critic trains ``critic.ppo_epochs`` epochs, then (from iteration ``trainer.critic_warmup`` on, counted
+    from 1) the actor ``actor_rollout_ref.actor.ppo_epochs`` epochs, each over its own mini-batches, in a
+    permutation seeded by ``seed.train`` and ``step`` with ``actor_rollout_ref.actor.shuffle``.
+    """
     timing: dict[str, float] = {}
     clock = time.perf_counter()
     batch, normalized, metrics = select_groups(traj, config, num_tags)
@@ -169,19 +226,22 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
                     "critic/returns/mean": masked_mean(adv.returns, loss_mask),
                     "response_length/mean": jnp.mean(jnp.sum(loss_mask, axis=1))})
 
-    mini = config.ppo_mini_batch_size
     rows_sharding = batch_sharding(actor.step.sharding.mesh, 2)
+    actor_cfg = config.actor_rollout_ref.actor
+    key = jax.random.fold_in(jax.random.key(config.seed.train), step) if actor_cfg.shuffle else None
     step_metrics: list[dict] = []
-    for start in range(0, ids.shape[0], mini):
-        rows = slice(start, start + mini)
-        if critic is not None:
-            critic, m = learner.critic_step(critic, learner.critic_frozen, jax.device_put(CriticBatch(
-                ids[rows], mask[rows], loss_mask[rows], values[rows], adv.returns[rows]), rows_sharding))
-            step_metrics.append(m)
-        actor, m = learner.actor_step(actor, learner.actor_frozen, jax.device_put(PolicyBatch(
-            ids[rows], mask[rows], loss_mask[rows], old_log_probs[rows], adv.advantages[rows], ref_log_probs[rows]),
-            rows_sharding))
-        step_metrics.append(m)
+    if critic is not None:  # the critic's shuffle follows the actor's, as verl's config interpolates it
+        critic, step_metrics = run_epochs(
+            learner.critic_step, critic, learner.critic_frozen,
+            CriticBatch(ids, mask, loss_mask, values, adv.returns), _batch_sizes(config, "critic")[0],
+            config.critic.ppo_epochs, None if key is None else jax.random.fold_in(key, 1), rows_sharding)
+    if config.trainer.critic_warmup <= step + 1:  # verl: the actor trains once critic_warmup <= global step
+        actor, actor_metrics = run_epochs(
+            learner.actor_step, actor, learner.actor_frozen,
+            PolicyBatch(ids, mask, loss_mask, old_log_probs, adv.advantages, ref_log_probs),
+            _batch_sizes(config, "actor_rollout_ref.actor")[0], actor_cfg.ppo_epochs,
+            None if key is None else jax.random.fold_in(key, 0), rows_sharding)
+        step_metrics += actor_metrics
     timing["timing_s/update"] = time.perf_counter() - clock - timing["timing_s/old_log_prob"]
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
     for name, values in _collect(jax.device_get(step_metrics)).items():

@@ -54,11 +54,40 @@ def split_trainable(model: nnx.Module, lora: bool) -> tuple[nnx.GraphDef, nnx.St
     return nnx.split(model, nnx.LoRAParam if lora else nnx.Param, ...)
 
 
-def make_optimizer(optim: OptimConfig, grad_clip: float) -> optax.GradientTransformation:
-    """AdamW with a constant learning rate after global-norm clipping; non-finite updates skipped."""
+def learning_rate(optim: OptimConfig, total_steps: int = 1, updates_per_step: int = 1) -> float | optax.Schedule:
+    """``optim.lr``, or verl's warmup schedule over training iterations as an optax schedule.
+
+    Iteration ``s`` (the optimizer count // ``updates_per_step``: every mini-batch of every epoch is one
+    update) has ``lr × f(s)``; with ``W`` warmup iterations (``lr_warmup_steps``, or when negative
+    ``int(lr_warmup_steps_ratio × total_steps)``), ``constant``: ``f = min(1, s / W)``; ``cosine``:
+    ``s / W`` before ``W``, then ``max(0, (1 + m) / 2 + (1 − m) / 2 · cos(2π · num_cycles · p))`` with
+    ``p = (s − W) / max(1, total_steps − W)`` and ``m = min_lr_ratio``. Without warmup a ``constant``
+    learning rate is the plain float (verl's lambda would give 0 at iteration 0 even then).
+    """
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+    if optim.warmup_style == "constant" and warmup == 0:
+        return optim.lr
+
+    def schedule(count):
+        step = (count // updates_per_step).astype(jnp.float32)
+        ramp = step / max(1, warmup)
+        if optim.warmup_style == "constant":
+            return optim.lr * jnp.minimum(1.0, ramp)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        cosine = (1 + optim.min_lr_ratio) / 2 + (1 - optim.min_lr_ratio) / 2 * jnp.cos(
+            2 * jnp.pi * optim.num_cycles * progress)
+        return optim.lr * jnp.where(step < warmup, ramp, jnp.maximum(0.0, cosine))
+
+    return schedule
+
+
+def make_optimizer(optim: OptimConfig, grad_clip: float, total_steps: int = 1,
+                   updates_per_step: int = 1) -> optax.GradientTransformation:
+    """AdamW at ``learning_rate(optim, ...)`` after global-norm clipping; non-finite updates skipped."""
     return skip_non_finite(optax.chain(
         optax.clip_by_global_norm(grad_clip),
-        optax.adamw(optim.lr, b1=optim.betas[0], b2=optim.betas[1], eps=1e-8, weight_decay=optim.weight_decay)))
+        optax.adamw(learning_rate(optim, total_steps, updates_per_step), b1=optim.betas[0], b2=optim.betas[1],
+                    eps=1e-8, weight_decay=optim.weight_decay)))
 
 
 # Positions whose vocabulary logits exist at once in ``model_token_log_probs``.
@@ -120,8 +149,11 @@ def micro_batches(batch: Any, num_micro_batches: int) -> Any:
 
 
 def _accumulated_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, num_micro_batches: int,
-                      loss_fn: Callable, prefix: str, lr: float, loss_agg_mode: str) -> Callable:
-    """A step that sums ``loss_fn(model, micro_batch, normalizer) -> (loss, metrics)`` over micro-batches."""
+                      loss_fn: Callable, prefix: str, lr: float | optax.Schedule, loss_agg_mode: str) -> Callable:
+    """A step that sums ``loss_fn(model, micro_batch, normalizer) -> (loss, metrics)`` over micro-batches.
+
+    ``lr`` (``learning_rate``'s value) is reported as ``{prefix}/lr``, a schedule at the step counter.
+    """
     def step(state: TrainState, frozen: nnx.State, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         normalizer = loss_normalizer(batch.loss_mask, loss_agg_mode)
 
@@ -137,7 +169,7 @@ def _accumulated_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics = {name: (jnp.sum if name in SUMMED_METRICS else jnp.mean)(value) for name, value in metrics.items()}
         metrics[f"{prefix}/grad_norm"] = optax.tree.norm(grads)
-        metrics[f"{prefix}/lr"] = jnp.asarray(lr, jnp.float32)
+        metrics[f"{prefix}/lr"] = jnp.asarray(lr(state.step) if callable(lr) else lr, jnp.float32)
         metrics.update({f"{prefix}/{name.split('/')[1]}": value for name, value in non_finite_metrics(opt_state).items()})
         params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1, state.rng), metrics
@@ -146,8 +178,12 @@ def _accumulated_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, 
 
 
 def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, actor: ActorConfig,
-                    num_micro_batches: int, temperature: float = 1.0) -> Callable:
-    """``step(state, frozen, PolicyBatch)``: one optimiser step of the StarPO policy loss (starpo.md §10)."""
+                    num_micro_batches: int, temperature: float = 1.0,
+                    lr: float | optax.Schedule | None = None) -> Callable:
+    """``step(state, frozen, PolicyBatch)``: one optimiser step of the StarPO policy loss (starpo.md §10).
+
+    ``lr``: ``tx``'s learning rate for the metric (default ``actor.optim.lr``).
+    """
     def loss_fn(model, micro: PolicyBatch, normalizer):
         log_probs, entropy = model_token_log_probs(model, micro.input_ids, micro.attention_mask, temperature)
         out = actor_loss(log_probs, micro.old_log_probs, micro.advantages, micro.loss_mask, entropy,
@@ -159,11 +195,12 @@ def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ac
                          policy_loss=actor.policy_loss.loss_mode)
         return out.loss, out.metrics
 
-    return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "actor", actor.optim.lr, actor.loss_agg_mode)
+    return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "actor", actor.optim.lr if lr is None else lr,
+                             actor.loss_agg_mode)
 
 
 def make_critic_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, critic: CriticConfig,
-                     num_micro_batches: int) -> Callable:
+                     num_micro_batches: int, lr: float | optax.Schedule | None = None) -> Callable:
     """``step(state, frozen, CriticBatch)``: one optimiser step of ``critic.loss_mode``'s loss (starpo.md §10)."""
     def loss_fn(model, micro: CriticBatch, normalizer):
         values, _ = model(micro.input_ids, micro.attention_mask)
@@ -171,8 +208,8 @@ def make_critic_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, c
                                                   critic.cliprange_value, critic.loss_agg_mode, normalizer)
         return out.loss, out.metrics
 
-    return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "critic", critic.optim.lr,
-                             critic.loss_agg_mode)
+    return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "critic",
+                             critic.optim.lr if lr is None else lr, critic.loss_agg_mode)
 
 
 def make_log_prob_fn(graphdef: nnx.GraphDef, num_micro_batches: int, temperature: float = 1.0) -> Callable:

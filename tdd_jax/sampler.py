@@ -18,11 +18,13 @@ The model is any callable ``eps_fn(x, t, cond) -> ε`` with x (B, H, W, C), t in
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from tdd_jax.schedules import (ddim_jump, ddim_timesteps, implied_noise, inference_schedule, predicted_origin,
                                renoise, sampling_targets)
@@ -173,3 +175,9 @@ def tdd_sample(eps_fn: EpsFn, x_T: jax.Array, cond: Conditioning, plan: Sampling
     keys = jax.random.split(key, plan.timesteps.shape[0])
     x0, _ = jax.lax.scan(step, x_T, (*plan, keys))
     return x0
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def sample_module(graphdef, state, x_T, cond, uncond, plan, guidance, key):
+    """``tdd_sample`` of the module ``graphdef``/``state`` (compiled once per graph, step count and guidance)."""
+    return tdd_sample(module_eps_fn(nnx.merge(graphdef, state)), x_T, cond, plan, key, uncond, guidance)

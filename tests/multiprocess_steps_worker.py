@@ -31,14 +31,14 @@ def gathered(tree, mesh) -> dict[str, np.ndarray]:
 def starpo_update(mesh):
     """One full StarPO-S (PPO) update on the iteration test's trajectories."""
     # Imported after jax.distributed.initialize: importing gymnax (via starpo_jax) starts the XLA backend.
-    from starpo_jax.iteration import build_learner, num_micro_batches, update
+    from starpo_jax.iteration import build_learner, update
     from starpo_jax.models.transformer import CausalLM, Critic
     from starpo_jax.presets import load_config
     from test_starpo_iteration import MODEL, OVERRIDES, trajectory
     config = load_config("starpo-s-ppo", OVERRIDES + ("micro_batch_size_per_gpu=1",))
     policy = create_sharded(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0)), mesh)
     critic = create_sharded(lambda: Critic(MODEL, rngs=nnx.Rngs(1)), mesh)
-    learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh, num_micro_batches(config, mesh))
+    learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh)
     return update(actor, critic_state, learner, trajectory(), config)
 
 

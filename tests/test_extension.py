@@ -21,7 +21,7 @@ from starpo_jax.chat_tokenizer import train_chat_tokenizer
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot
 from starpo_jax.filtering import FILTER_TYPES
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
-from starpo_jax.iteration import build_learner, num_micro_batches, update
+from starpo_jax.iteration import build_learner, update
 from starpo_jax.losses import POLICY_LOSSES, LossOutput, aggregate_loss
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.transformer import CausalLM
@@ -151,8 +151,7 @@ def iteration(registered, tmp_path_factory):
         # One seed per row (every reset state is the same): the tosses, hence the scores, vary within a group.
         out = fused_rollout(program, shard_state(params, mesh), tokenizer, 100 + np.arange(len(group_ids)),
                             group_ids, jax.random.key(3))
-        learner, actor, _, _ = build_learner(config, nnx.merge(graphdef, params), None, mesh,
-                                             num_micro_batches(config, mesh))
+        learner, actor, _, _ = build_learner(config, nnx.merge(graphdef, params), None, mesh)
         _, _, metrics = update(actor, None, learner, out.trajectory, config)
     return dict(config=config, traj=out.trajectory, rollout_metrics=out.metrics, metrics=metrics)
 

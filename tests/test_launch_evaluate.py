@@ -11,7 +11,7 @@ import pytest
 from launch import evaluate
 from runtime.checkpoint import Checkpointer
 from runtime.mesh import MeshConfig, make_mesh
-from starpo_jax.iteration import build_learner, num_micro_batches
+from starpo_jax.iteration import build_learner
 from starpo_jax.models.hf_io import load_pretrained
 from starpo_jax.presets import load_config
 from test_launch_starpo import checkpoint  # noqa: F401  (module-scoped tiny Qwen2 folder + chat tokenizer)
@@ -89,7 +89,7 @@ def test_evaluate_orbax_checkpoint_restores_the_policy(checkpoint, hf_result, tm
     mesh = make_mesh(MeshConfig(1, -1, 1))
     with jax.set_mesh(mesh):
         policy = load_pretrained(checkpoint, mesh, seed=config.seed.train)
-        _, actor, critic, _ = build_learner(config, policy, None, mesh, num_micro_batches(config, mesh))
+        _, actor, critic, _ = build_learner(config, policy, None, mesh)
     with Checkpointer(tmp_path / "run" / "checkpoints") as ckpt:
         ckpt.save(3, {"actor": actor, "critic": critic}, {"step": 3})
     restored = run(checkpoint, tmp_path / "ckpt.json", "--checkpoint", str(tmp_path / "run"), "--envs", "Bandit",

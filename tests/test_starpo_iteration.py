@@ -43,7 +43,7 @@ def run(preset, mesh, micro_batch_size_per_gpu, overrides=(), traj=None):
     with jax.set_mesh(mesh):
         policy = create_sharded(lambda: CausalLM(MODEL, lora=lora, rngs=nnx.Rngs(0)), mesh)
         critic = create_sharded(lambda: Critic(MODEL, lora=lora, rngs=nnx.Rngs(1)), mesh) if config.use_critic else None
-        learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh, num_micro_batches(config, mesh))
+        learner, actor, critic_state, _ = build_learner(config, policy, critic, mesh)
         actor, critic_state, metrics = update(actor, critic_state, learner, traj or trajectory(), config)
     return jax.device_get(actor.params), metrics, jax.device_get(optax.tree_utils.tree_get(actor.opt_state, "mu"))
 

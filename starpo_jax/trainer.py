@@ -1,0 +1,170 @@
+"""The StarPO trainer: rollout → update → validation → metrics → checkpoints (RAGEN's ``train.py`` loop).
+
+Each iteration plays ``env_groups × group_size`` trajectories with the configured rollout driver
+(``starpo_jax.rollout_drivers``), then runs ``starpo_jax.iteration.update``; validation every
+``trainer.test_freq`` iterations; metrics to JSONL and TensorBoard (``runtime.metrics``); decoded validation
+and training rollouts to ``<out>/rollouts``; Echo Trap warnings in the log; checkpoints, stop signals and
+the non-finite stop by ``runtime.loop.resumable_loop``; the final policy exported as a Hugging Face folder
+``<out>/hf_model``. ``<out>`` is a ``runtime.run_folder.RunFolder``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from runtime.checkpoint import Checkpointer
+from runtime.guards import NonFiniteGuard
+from runtime.loop import resumable_loop
+from runtime.metrics import MetricWriter
+from runtime.preemption import PreemptionHandler
+from runtime.run_folder import RunFolder
+from runtime.wandb_logger import WandbLogger
+from starpo_jax.config import StarPOConfig, lora_targets
+from starpo_jax.echo_trap import EchoTrapMonitor
+from starpo_jax.iteration import build_learner, update
+from starpo_jax.models.hf_io import check_model_folder, load_pretrained, save_pretrained
+from starpo_jax.models.lora import LoRAConfig
+from starpo_jax.rollout_drivers import make_player, rollout_settings
+from starpo_jax.sampler import SamplerConfig
+from starpo_jax.tokenizer import load_tokenizer, require_chat_template
+
+
+def env_metrics(rows: list[dict[str, float]], tag_ids: np.ndarray, scores: np.ndarray, tags: Sequence[str],
+                prefix: str) -> dict[str, float]:
+    """``{prefix}/{Tag}/{success,num_actions,action_is_effective,action_is_valid}`` means over trajectories
+    (``rows``: one ``slot_metrics`` dict each), and ``{prefix}/{Tag}/reward/{mean,std}`` of their ``scores``."""
+    out: dict[str, float] = {}
+    for tag_id, tag in enumerate(tags):
+        tagged = np.flatnonzero(np.asarray(tag_ids) == tag_id)
+        if not len(tagged):
+            continue
+        for name in rows[tagged[0]]:
+            out[f"{prefix}/{tag}/{name}"] = float(np.mean([rows[i][name] for i in tagged]))
+        tag_scores = np.asarray(scores)[tagged]
+        out[f"{prefix}/{tag}/reward/mean"] = float(tag_scores.mean())
+        out[f"{prefix}/{tag}/reward/std"] = float(tag_scores.std())
+    return out
+
+
+def save_rollouts(path: Path, tokenizer, traj, rows: list[dict[str, float]], tags: Sequence[str]) -> None:
+    """One JSON line per trajectory: decoded training text, score, penalty, success, group and tag."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            text = tokenizer.decode(traj.input_ids[i][traj.attention_mask[i] > 0])
+            f.write(json.dumps({"group_id": int(traj.group_ids[i]), "tag": tags[traj.tag_ids[i]],
+                                "score": float(traj.scores[i]), "penalty": float(traj.penalty[i]),
+                                "success": bool(row["success"]), "text": text}) + "\n")
+
+
+def lora_config(config: StarPOConfig) -> LoRAConfig | None:
+    """``lora.rank`` / ``alpha`` / ``target_modules`` as the models' ``LoRAConfig``; ``None`` at rank 0."""
+    if not config.lora.rank:
+        return None
+    return LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha), targets=lora_targets(config.lora))
+
+
+def train(config: StarPOConfig, mesh: Mesh, out: Path, rollout_bucket: int = 32,
+          allow_changes: Sequence[str] = ()) -> dict[str, float]:
+    """The StarPO loop on ``config.model_path``; returns the metrics of the last iteration.
+
+    ``rollout_bucket``: trajectories and prompts are padded to a multiple of this many
+    tokens, so the compiled steps see few distinct shapes. ``allow_changes``: config keys that may
+    differ from those recorded in ``out`` on resume. The model folder and ``out`` are checked
+    before anything loads.
+    """
+    check_model_folder(config.model_path)
+    with RunFolder(out, dataclasses.asdict(config), allow_changes=allow_changes) as run:
+        return train_in(config, mesh, run, rollout_bucket)
+
+
+def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: int) -> dict[str, float]:
+    """``train`` in its entered run folder."""
+    out = run.out
+    tokenizer = require_chat_template(load_tokenizer(config.model_path))
+    lora = lora_config(config)
+    rollout_cfg = config.actor_rollout_ref.rollout
+    train_tags = config.es_manager.train.env_configs.tags
+    with jax.set_mesh(mesh):
+        numerics = dict(dtype=config.dtype, remat=config.remat)
+        policy = load_pretrained(config.model_path, mesh, lora=lora, seed=config.seed.train, **numerics)
+        critic_model = None
+        if config.use_critic:
+            critic_model = load_pretrained(config.model_path, mesh, critic=True, lora=lora, seed=config.seed.train,
+                                           **numerics)
+        learner, actor, critic, graphdef = build_learner(config, policy, critic_model, mesh)
+        frozen = learner.actor_frozen
+        stop = (tokenizer.eos_token_id,)
+        top_k = max(rollout_cfg.top_k, 0)
+        settings = dataclasses.replace(rollout_settings(config), bucket=rollout_bucket)
+        train_play = make_player(config, config.es_manager.train, graphdef, policy.config, SamplerConfig(
+            rollout_cfg.response_length, rollout_cfg.temperature, rollout_cfg.top_p, top_k, stop_ids=stop,
+            pad_id=tokenizer.pad_token_id), tokenizer, settings, mesh)
+        val_play = make_player(config, config.es_manager.val, graphdef, policy.config, SamplerConfig(
+            rollout_cfg.response_length, rollout_cfg.val_kwargs.temperature, rollout_cfg.top_p, top_k,
+            greedy=not rollout_cfg.val_kwargs.do_sample, stop_ids=stop, pad_id=tokenizer.pad_token_id),
+            tokenizer, settings, mesh)
+
+        def validate(step: int, actor) -> dict[str, float]:
+            params = nnx.merge_state(actor.params, frozen)
+            traj, rows = val_play(params, config.seed.val, jax.random.key(config.seed.val))
+            val_tags = config.es_manager.val.env_configs.tags
+            save_rollouts(out / "rollouts" / f"val_step{step}.jsonl", tokenizer, traj, rows, val_tags)
+            return env_metrics(rows, traj.tag_ids, traj.scores, val_tags, "val")
+
+        def iteration(states, step: int):
+            actor, critic = states
+            clock = time.perf_counter()
+            seed = config.seed.train + step * config.es_manager.train.env_groups
+            traj, rows = train_play(nnx.merge_state(actor.params, frozen), seed, jax.random.fold_in(actor.rng, step))
+            generation = time.perf_counter() - clock
+            actor, critic, metrics = update(actor, critic, learner, traj, config, len(train_tags), step)
+            metrics.update(env_metrics(rows, traj.tag_ids, traj.scores, train_tags, "train"))
+            metrics["train/success"] = float(np.mean([row["success"] for row in rows]))
+            metrics.update({"timing_s/gen": generation, "timing_s/step": time.perf_counter() - clock})
+            if config.trainer.test_freq > 0 and (step + 1) % config.trainer.test_freq == 0:
+                metrics.update(validate(step + 1, actor))
+                save_rollouts(out / "rollouts" / f"train_step{step + 1}.jsonl", tokenizer, traj, rows, train_tags)
+            return (actor, critic), metrics
+
+        total = config.trainer.total_training_steps
+        wandb = None
+        if "wandb" in config.trainer.logger:
+            wandb = WandbLogger(config.trainer.project_name, config.trainer.experiment_name,
+                                dataclasses.asdict(config), out)
+        with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt, MetricWriter(out, wandb=wandb) as writer, \
+                PreemptionHandler() as preemption:
+            echo_trap = EchoTrapMonitor()
+            restored, loop, start = run.resume(ckpt, {"actor": actor, "critic": critic}, total)
+            if "echo_trap" in loop:  # absent in checkpoints of older versions
+                echo_trap.load_state_dict(loop["echo_trap"])
+
+            def checkpoint(done: int, states) -> None:
+                loop_state = {"step": done, "echo_trap": echo_trap.state_dict(), **run.checkpoint_record}
+                ckpt.save(done, {"actor": states[0], "critic": states[1]}, loop_state)
+
+            def warn_echo_trap(done: int, row: dict[str, float]) -> None:
+                for warning in echo_trap.update(done, row):
+                    logging.warning(warning)
+
+            if start == 0 and config.trainer.val_before_train:
+                writer.write(0, validate(0, restored["actor"]))
+            guard = NonFiniteGuard(config.trainer.max_consecutive_non_finite,
+                                   keys=("actor/consecutive_non_finite", "critic/consecutive_non_finite"))
+            (actor, _), last = resumable_loop(
+                iteration, (restored["actor"], restored["critic"]), start, total, checkpoint, writer=writer,
+                guard=guard, preemption=preemption, save_every=config.trainer.save_freq,
+                checkpoint_dir=ckpt.directory, description="StarPO", bar_keys=("train/success", "actor/pg_loss"),
+                on_row=warn_echo_trap)
+        save_pretrained(nnx.merge(graphdef, actor.params, frozen), out / "hf_model", tokenizer=tokenizer)
+    return last

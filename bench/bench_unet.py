@@ -33,11 +33,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     hygiene.add_threads_argument(parser)
     args = parser.parse_args()
-    with hygiene.measured(args.threads):
-        run(args)
-
-
-def run(args):
+    hygiene.start(args.threads)
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)

@@ -68,14 +68,14 @@ def _chunked_backward(chunk, residuals, grad):
     grad = _chunks(grad, chunk)
     delta = jnp.sum(grad * out, -1)  # rowsum(dO * O) = rowsum(P * dP)
 
-    def body(carry, xs):
+    def body(carry, xs):  # in the transposed domain (keys x queries): every product but dQ's is a plain matmul
         dk, dv = carry
         qc, gc, lse_c, delta_c = xs
-        p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qc, kh) * scale - lse_c[..., None])
-        dv = dv + jnp.einsum("bhqk,bhqd->bhkd", p, gc)
-        ds = p * (jnp.einsum("bhqd,bhkd->bhqk", gc, vh) - delta_c[..., None]) * scale
-        dk = dk + jnp.einsum("bhqk,bhqd->bhkd", ds, qc)
-        return (dk, dv), jnp.einsum("bhqk,bhkd->bhqd", ds, kh)
+        p_t = jnp.exp(jnp.einsum("bhkd,bhqd->bhkq", kh, qc) * scale - lse_c[..., None, :])
+        dv = dv + jnp.einsum("bhkq,bhqd->bhkd", p_t, gc)
+        ds_t = p_t * (jnp.einsum("bhkd,bhqd->bhkq", vh, gc) - delta_c[..., None, :]) * scale
+        dk = dk + jnp.einsum("bhkq,bhqd->bhkd", ds_t, qc)
+        return (dk, dv), jnp.einsum("bhkq,bhkd->bhqd", ds_t, kh)
 
     (dk, dv), dq = jax.lax.scan(body, (jnp.zeros_like(kh), jnp.zeros_like(vh)), (_chunks(q, chunk), grad, lse, delta))
     return _unchunk(dq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)

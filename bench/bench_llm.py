@@ -71,18 +71,22 @@ def bench_generation(peer, ours, args):
         print(f"{batch:>6} {n / ours_s:>12.1f} {n / peer_s:>12.1f} {peer_s / ours_s:>7.2f} {compile_s:>10.1f}")
 
 
-def bench_training(peer, ours, args):
-    batch, length = args.train_batch, args.train_length
-    tokens = np.random.default_rng(1).integers(1, args.vocab, (batch, length)).astype(np.int32)
-    mask = np.ones_like(tokens)
-    graphdef, params = nnx.split(ours)
-
+def loss_function(graphdef):
+    """Mean log-likelihood of tokens 1..L-1, as the PyTorch side computes it (log-softmax, then gather)."""
     def loss_fn(params, tokens, mask):
         logits, _ = nnx.merge(graphdef, params)(tokens, mask)
         log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         return jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
 
-    step = jax.jit(jax.value_and_grad(loss_fn))
+    return loss_fn
+
+
+def bench_training(peer, ours, args):
+    batch, length = args.train_batch, args.train_length
+    tokens = np.random.default_rng(1).integers(1, args.vocab, (batch, length)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    graphdef, params = nnx.split(ours)
+    step = jax.jit(jax.value_and_grad(loss_function(graphdef)))
     start = time.perf_counter()
     jax.block_until_ready(step(params, tokens, mask))
     compile_s = time.perf_counter() - start

@@ -37,16 +37,25 @@ def test_query_chunk():
     assert query_chunk(1, 1, 77, 77) == 77  # short sequences stay whole
 
 
-def _lowered(platform, q_len):
-    x = jax.ShapeDtypeStruct((1, q_len, 4096), jnp.float32)
-    fn = jax.grad(lambda q, k, v: jnp.sum(multi_head_attention(q, k, v, 8) ** 2), argnums=(0, 1, 2))
-    return jax.jit(fn).trace(x, x, x).lower(lowering_platforms=(platform,)).as_text()
+def _lowered(platform, attend=lambda q, k, v: multi_head_attention(q, k, v, 8)):
+    x = jax.ShapeDtypeStruct((1, 1024, 64), jnp.float32)
+    fn = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) ** 2), argnums=(0, 1, 2))
+    return jax.jit(fn).trace(x, x, x).lower(lowering_platforms=(platform,))
+
+
+def _whole(q, k, v):
+    heads = lambda t: t.reshape(1, 1024, 8, 8)
+    return jax.nn.dot_product_attention(heads(q), heads(k), heads(v)).reshape(1, 1024, 64)
 
 
 def test_only_the_cpu_lowering_is_chunked():
     # 1 x 8 x 1024 x 1024 scores: the CPU gets the chunked loops, the TPU the whole dot_product_attention
-    assert "stablehlo.while" in _lowered("cpu", 1024)
-    assert "stablehlo.while" not in _lowered("tpu", 1024)
+    assert "stablehlo.while" in _lowered("cpu").as_text()
+    tpu = _lowered("tpu")
+    assert "stablehlo.while" not in tpu.as_text()
+    want = _lowered("tpu", _whole).cost_analysis()
+    assert {k: tpu.cost_analysis()[k] for k in ("flops", "bytes accessed")} == {
+        k: want[k] for k in ("flops", "bytes accessed")}
     # and the values agree with the unchunked call on this machine (query chunks of 64 rows)
     q, k, v = (np.random.default_rng(i).normal(size=(1, 1024, 64)).astype(np.float32) for i in range(3))
     want = jax.nn.dot_product_attention(*(t.reshape(1, 1024, 8, 8) for t in (q, k, v))).reshape(1, 1024, 64)

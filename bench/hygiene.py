@@ -5,11 +5,12 @@
     hygiene.start(args.threads)  # before the first JAX computation
     ...  # build, compile, time, print the table; the end report follows when the script exits
 
-``start`` pins the process to ``threads`` cores before the XLA CPU client starts (XLA sizes its
-thread pool from the cores the process may use), gives PyTorch the same number of threads, and prints
-the thread count and the load average at the start and the end. When the 1-minute load was above
-``BUSY_LOAD_PER_CORE`` × cores at either end it prints a warning under the table: the figures come from a
-busy machine and must not be recorded as idle numbers (in-process ratios still compare like with like).
+``start`` pins the process to ``threads`` cores before the XLA CPU client starts (XLA sizes its thread
+pool from the cores the process may use, and all its threads run on those cores), gives PyTorch the same
+number of threads, and prints the thread count and the load average at the start and the end. When the
+1-minute load was above ``BUSY_LOAD_PER_CORE`` × cores at either end it prints a warning under the table:
+the figures come from a busy machine and must not be recorded as idle numbers (in-process ratios still
+compare like with like).
 """
 
 from __future__ import annotations

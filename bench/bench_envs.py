@@ -17,6 +17,7 @@ import gymnasium
 import jax
 import numpy as np
 
+from bench import hygiene
 import envs
 
 with warnings.catch_warnings():
@@ -92,7 +93,9 @@ def main():
     parser.add_argument("--steps", type=int, default=100, help="steps per timed rollout of ours")
     parser.add_argument("--peer-steps", type=int, default=2000, help="steps timed for each peer")
     parser.add_argument("--peer-resets", type=int, default=100, help="gym-sokoban resets timed")
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
+    hygiene.start(args.threads)
 
     gym_step, ragen_step, gym_reset = gym_sokoban_rates(args.peer_steps, args.peer_resets)
     lake_peer = gymnasium_frozen_lake_rate(args.peer_steps)

@@ -19,6 +19,7 @@ import torch
 import transformers
 from flax import nnx
 
+from bench import hygiene
 from runtime.mesh import MeshConfig, make_mesh
 from starpo_jax.models.hf_io import load_pretrained
 from starpo_jax.models.kv_cache import init_cache
@@ -39,15 +40,6 @@ def build_pair(args, folder):
     return peer, ours
 
 
-def timed(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def bench_generation(peer, ours, args):
     graphdef, params = nnx.split(ours)
     sampler = make_sampler(graphdef, SamplerConfig(args.new_tokens, greedy=True))
@@ -66,7 +58,6 @@ def bench_generation(peer, ours, args):
         start = time.perf_counter()
         run_ours()
         compile_s = time.perf_counter() - start
-        ours_s = timed(run_ours, args.repeats)
 
         def run_peer():
             with torch.no_grad():
@@ -75,9 +66,19 @@ def bench_generation(peer, ours, args):
                               pad_token_id=0)
 
         run_peer()
-        peer_s = timed(run_peer, args.repeats)
+        ours_s, peer_s = hygiene.best_of([run_ours, run_peer], args.repeats)
         n = batch * args.new_tokens
         print(f"{batch:>6} {n / ours_s:>12.1f} {n / peer_s:>12.1f} {peer_s / ours_s:>7.2f} {compile_s:>10.1f}")
+
+
+def loss_function(graphdef):
+    """Mean log-likelihood of tokens 1..L-1, as the PyTorch side computes it (log-softmax, then gather)."""
+    def loss_fn(params, tokens, mask):
+        logits, _ = nnx.merge(graphdef, params)(tokens, mask)
+        log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+
+    return loss_fn
 
 
 def bench_training(peer, ours, args):
@@ -85,17 +86,10 @@ def bench_training(peer, ours, args):
     tokens = np.random.default_rng(1).integers(1, args.vocab, (batch, length)).astype(np.int32)
     mask = np.ones_like(tokens)
     graphdef, params = nnx.split(ours)
-
-    def loss_fn(params, tokens, mask):
-        logits, _ = nnx.merge(graphdef, params)(tokens, mask)
-        log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        return jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
-
-    step = jax.jit(jax.value_and_grad(loss_fn))
+    step = jax.jit(jax.value_and_grad(loss_function(graphdef)))
     start = time.perf_counter()
     jax.block_until_ready(step(params, tokens, mask))
     compile_s = time.perf_counter() - start
-    ours_s = timed(lambda: jax.block_until_ready(step(params, tokens, mask)), args.repeats)
 
     ids = torch.tensor(tokens, dtype=torch.long)
 
@@ -106,7 +100,8 @@ def bench_training(peer, ours, args):
         torch.gather(log_probs, -1, ids[:, 1:, None]).mean().backward()
 
     run_peer()
-    peer_s = timed(run_peer, args.repeats)
+    ours_s, peer_s = hygiene.best_of([lambda: jax.block_until_ready(step(params, tokens, mask)), run_peer],
+                                     args.repeats)
     n = batch * length
     print(f"forward+backward: batch {batch} x {length} tokens")
     print(f"  ours {n / ours_s:.1f} tok/s, torch {n / peer_s:.1f} tok/s, ratio {peer_s / ours_s:.2f}, "
@@ -125,11 +120,10 @@ def main():
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--torch-threads", type=int, default=0, help="0 keeps torch's default")
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    print(f"devices: {jax.devices()}, torch threads: {torch.get_num_threads()}")
+    hygiene.start(args.threads)
+    print(f"devices: {jax.devices()}, threads: {args.threads} each (XLA, torch {torch.get_num_threads()})")
     print(f"model: qwen2 hidden {args.hidden}, layers {args.layers}, heads {args.heads}, vocab {args.vocab}, fp32")
     with tempfile.TemporaryDirectory() as folder:
         peer, ours = build_pair(args, folder)

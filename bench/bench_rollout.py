@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench import hygiene
 import envs
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded
@@ -67,7 +68,9 @@ def main():
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
+    hygiene.start(args.threads)
 
     corpus = []
     for tag in args.tags:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from scipy.stats import ks_2samp
 
+from bench import hygiene
 import envs
 from envs.solvers import solve_sokoban
 
@@ -66,7 +67,9 @@ def main():
     parser.add_argument("--num-levels", type=int, default=2000)
     parser.add_argument("--tags", nargs="+", default=["SimpleSokoban", "LargerSokoban"])
     parser.add_argument("--ragen-utils", help="a local copy of RAGEN's ragen/env/sokoban/utils.py")
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
+    hygiene.start(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from gym_sokoban.envs.room_utils import generate_room as gym_generate_room

@@ -1,6 +1,6 @@
 """One TDD distillation step, ours (JAX, jit) vs the same step in PyTorch with diffusers + peft, CPU.
 
-    python bench/bench_tdd.py [--batch 2] [--size 32] [--rank 8] [--repeats 5] [--torch-threads 1]
+    python bench/bench_tdd.py [--batch 2] [--size 32] [--rank 8] [--repeats 5] [--threads N]
 
 Both sides run the same tiny SD1.5-like UNet with the same random weights and the same LoRA
 (ours: ``tdd_jax.models.lora``; theirs: our adapters exported with ``export_peft`` and loaded by
@@ -16,15 +16,12 @@ step times and the ratio ours / torch (below 1 means ours is faster). Then the c
 augmentation (issue 32): our step with the latent drawn inside it from a cached VAE posterior
 (``DistillBatch.latents_logvar``) against the fixed-latent step, and one VAE encode of the batch's
 pixels (8x the latent size; an SD-like ``AutoencoderKL`` with ``--vae-channels``), and the
-``latent_cache=none`` step that encodes those pixels inside it (``tdd_jax.fresh_crops.encoding_step``). PyTorch runs on
-``--torch-threads`` threads (default 1: with 2 threads on a loaded 2-core machine one UNet forward was 30-100x slower);
-XLA uses every core unless started with
-``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``.
+``latent_cache=none`` step that encodes those pixels inside it (``tdd_jax.fresh_crops.encoding_step``;
+skipped with ``--step-only``). Both sides run on ``--threads`` cores (default all; ``bench/hygiene.py``).
 """
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -34,6 +31,7 @@ import numpy as np
 import torch
 from flax import nnx
 
+from bench import hygiene
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded, shard_batch
 from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile_distill_step, draw_distill_sample,
@@ -54,17 +52,6 @@ CONFIG = dict(sample_size=32, block_out_channels=(32, 64, 64), layers_per_block=
 SD_SCHEDULER = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}
 # lr large enough that one update moves the loss measurably; SD1.5 teacher: empty-prompt unconditional branch
 DISTILL = DistillConfig(learning_rate=1e-3, teacher_uncond="empty_prompt")
-
-
-def interleaved_medians(fns, repeats):
-    """Median seconds per call of each function, timed in turns so that both see the same machine load."""
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, spent in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            spent.append(time.perf_counter() - start)
-    return [statistics.median(spent) for spent in times]
 
 
 def torch_unet_with_lora(folder, lora_file):
@@ -120,10 +107,11 @@ def main():
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--step-only", action="store_true", help="skip the fresh-augmentation timings")
+    hygiene.add_threads_argument(parser)
     parser.add_argument("--vae-channels", type=int, nargs="+", default=[32, 64, 128, 128])
     args = parser.parse_args()
-    torch.set_num_threads(args.torch_threads)
+    hygiene.start(args.threads)
     from diffusers import UNet2DConditionModel
 
     rng = np.random.default_rng(0)
@@ -183,7 +171,7 @@ def main():
     loss, norm, loss2 = float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics2["loss"])
     print(f"UNet {CONFIG['block_out_channels']}, {n_params / 1e6:.2f}M params, LoRA rank {args.rank} "
           f"({n_lora / 1e3:.0f}k trainable), batch {args.batch}, latents {args.size}x{args.size}, "
-          f"{jax.devices()[0].platform}, torch threads {args.torch_threads}")
+          f"{jax.devices()[0].platform}, {args.threads} threads each")
     print(f"{'check':28s} {'ours':>12s} {'torch':>12s} {'|diff|':>10s} {'rel':>9s}")
     for name, a, b in (("loss", loss, loss_t), ("grad norm (pre-clip)", norm, norm_t),
                        ("loss change from update", loss2 - loss, loss_t2 - loss_t)):
@@ -194,10 +182,11 @@ def main():
         state, m = step(state, frozen, uncond, batch)
         jax.block_until_ready(m)
 
-    ours_s, torch_s = interleaved_medians([ours_step, torch_step], args.repeats)
+    ours_s, torch_s = hygiene.best_of([ours_step, torch_step], args.repeats)
     print(f"{'':12s} {'ours s':>9s} {'torch s':>9s} {'ours/torch':>11s} {'our compile s':>14s}")
     print(f"{'step':12s} {ours_s:9.3f} {torch_s:9.3f} {ours_s / torch_s:11.2f} {compile_s:14.1f}")
-    augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, mesh, args)
+    if not args.step_only:
+        augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, mesh, args)
 
 
 def augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, mesh, args):
@@ -228,11 +217,10 @@ def augmentation_costs(step, state, frozen, uncond, batch, graphdef, schedule, m
         return run
 
     states["sampled"], states["fresh"] = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, state)
-    fixed_s, sampled_s, fresh_s, encode_s = interleaved_medians(
+    fixed_s, sampled_s, fresh_s, encode_s = hygiene.best_of(
         [timed("fixed", step, frozen, batch), timed("sampled", sampled, frozen, posterior),
          timed("fresh", fresh, with_vae, crops),
          lambda: jax.block_until_ready(encode(vae, pixels.astype(np.float32)))], args.repeats)
-    print(f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'ours':44s} {'s':>9s} {'/ fixed step':>13s} {'img/s':>7s}")
     for name, seconds in (("step, fixed latents", fixed_s), ("step, latent_cache=posterior", sampled_s),
                           ("step, latent_cache=none (encodes the crops)", fresh_s),

@@ -1,14 +1,13 @@
 """UNet forward and forward+backward time, ours (JAX, jit) vs diffusers (PyTorch), same weights, CPU.
 
-    python bench/bench_unet.py [--batch 2] [--size 32] [--repeats 5]
+    python bench/bench_unet.py [--batch 2] [--size 32] [--repeats 5] [--threads N]
 
-Prints the per-call medians and the ratios ours / diffusers (below 1 means ours is faster), and
-our compile times. Both sides run the same SD1.5-shaped config at reduced width, float32.
+Prints the fastest of ``--repeats`` calls of each side, timed in turns, the ratios ours / diffusers
+(below 1 means ours is faster) and our compile times. Both sides run the same SD1.5-shaped config at
+reduced width, float32, on ``--threads`` cores (default all; ``bench/hygiene.py``).
 """
 
 import argparse
-import os
-import statistics
 import tempfile
 import time
 
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from flax import nnx
 
+from bench import hygiene
 from tdd_jax.models.diffusers_io import load_unet
 
 CONFIG = dict(sample_size=32, block_out_channels=(64, 128, 128), layers_per_block=2, cross_attention_dim=128,
@@ -26,22 +26,14 @@ CONFIG = dict(sample_size=32, block_out_channels=(64, 128, 128), layers_per_bloc
               attention_head_dim=8, norm_num_groups=32)
 
 
-def median_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count())
+    hygiene.start(args.threads)
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
@@ -77,10 +69,10 @@ def main():
             ("forward+backward", lambda: jax.block_until_ready(grad(params, x, t, ctx)), peer_grad)]
     print(f"UNet {CONFIG['block_out_channels']}, batch {args.batch}, latents {args.size}x{args.size}, "
           f"{sum(p.numel() for p in peer.parameters()) / 1e6:.1f}M params, {jax.devices()[0].platform}, "
-          f"{os.cpu_count()} threads")
+          f"{args.threads} threads each")
     print(f"{'':18s} {'ours s':>9s} {'diffusers s':>12s} {'ours/diffusers':>15s} {'our compile s':>14s}")
     for name, ours_fn, peer_fn in rows:
-        a, b = median_time(ours_fn, args.repeats), median_time(peer_fn, args.repeats)
+        a, b = hygiene.best_of([ours_fn, peer_fn], args.repeats)
         print(f"{name:18s} {a:9.4f} {b:12.4f} {a / b:15.2f} {compile_s[name]:14.1f}")
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from bench import hygiene
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import create_sharded
 from starpo_jax.filtering import num_kept_groups
@@ -170,7 +171,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
     parser.add_argument("--peer", action="store_true", help="also run transformers' PyTorch Qwen2 on the same work")
     parser.add_argument("overrides", nargs="*", help="RAGEN key=value overrides of the starpo-s-ppo preset")
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
+    hygiene.start(args.threads)
     config = load_config("tiny" if args.tiny else "starpo-s-ppo", args.overrides)
     model = (tiny if args.tiny else qwen25_05b)(args.dtype, args.param_dtype)
     prompt = args.prompt or (32 if args.tiny else 512)

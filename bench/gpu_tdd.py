@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from bench import hygiene
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_batch, shard_state
 from tdd_jax.distill import (DistillBatch, DistillConfig, Unconditional, compile_distill_step, init_distill_state,
@@ -86,7 +87,9 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="reduced config and batch 2, for a CPU smoke run")
     parser.add_argument("--count-only", action="store_true",
                         help="print the traced step's FLOPs and stop (JAX 0.11 on GPU returned no traced count)")
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
+    hygiene.start(args.threads)
     config_dict, batch_size = (TINY_UNET, 2) if args.tiny else (SD15_UNET, args.batch)
     cfg = UNetConfig.from_diffusers(config_dict, dtype="bfloat16", remat=args.remat)
     device = jax.devices()[0]

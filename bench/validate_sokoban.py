@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 
+from bench import hygiene
 import envs
 from envs.solvers import solve_sokoban
 from envs.sokoban_generation import generate_level
@@ -45,7 +46,9 @@ def main():
     parser.add_argument("--chunk", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tags", nargs="+", default=["SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab"])
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args()
+    hygiene.start(args.threads)
     for tag in args.tags:
         validate(tag, args.num_levels, args.chunk, args.seed)
 

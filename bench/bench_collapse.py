@@ -18,9 +18,7 @@ of the lowered programs (nothing is allocated). Run: ``python bench/bench_collap
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,7 @@ import torch
 import transformers
 from flax import nnx
 
+from bench import hygiene
 from launch.model_shapes import DECODERS
 from runtime.mesh import MeshConfig, make_mesh
 from starpo_jax.collapse_scoring import make_cross_log_probs
@@ -36,15 +35,6 @@ from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.hf_io import load_pretrained
 from starpo_jax.models.transformer import CausalLM
 from starpo_jax.steps import model_token_log_probs
-
-
-def timed(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def family_inputs(rng, columns: int, rows: int, prompt: int, reasoning: int, vocab: int):
@@ -110,11 +100,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size", default="Qwen2.5-3B", help="named shape for the FLOP count ('' skips it)")
     parser.add_argument("--flops-only", action="store_true", help="only the FLOP count (no timing)")
+    hygiene.add_threads_argument(parser)
     args = parser.parse_args(argv)
     if args.flops_only:
         return print_flops(args)
-    threads = torch.get_num_threads()
-    print(f"torch threads {threads}; XLA CPU devices {jax.local_device_count()}; load {os.getloadavg()}")
+    hygiene.start(args.threads)
 
     hf = transformers.Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
                                   num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=1,
@@ -135,20 +125,19 @@ def main(argv=None):
         inputs = family_inputs(rng, columns, args.rows, prompt, args.reasoning, args.vocab)
         mine = np.asarray(cross(params, *inputs))  # compiles
         theirs = peer_cross(peer, inputs[0], inputs[2])
-        ours_s = timed(lambda: cross(params, *inputs).block_until_ready(), args.repeats)
-        peer_s = timed(lambda: peer_cross(peer, inputs[0], inputs[2]), args.repeats)
+        ours_s, peer_s = hygiene.best_of([lambda: cross(params, *inputs).block_until_ready(),
+                                          lambda: peer_cross(peer, inputs[0], inputs[2])], args.repeats)
         print(f"{family:<11} {args.rows:>3} x {columns:<3} {ours_s:8.3f} {peer_s:8.3f} {ours_s / peer_s:9.2f} "
               f"{np.abs(mine - theirs).max():10.2e}")
 
     ids = rng.integers(1, args.vocab, (args.batch, args.context + args.reasoning)).astype(np.int32)
     grad = jax.jit(jax.grad(lambda p, i, m: jnp.sum(model_token_log_probs(nnx.merge(graphdef, p), i, m, 1.0)[0])))
     jax.block_until_ready(grad(params, ids, np.ones_like(ids)))
-    step_s = timed(lambda: jax.block_until_ready(grad(params, ids, np.ones_like(ids))), args.repeats)
+    step_s, = hygiene.best_of([lambda: jax.block_until_ready(grad(params, ids, np.ones_like(ids)))], args.repeats)
     print(f"gradient pass over {args.batch} x {ids.shape[1]} tokens: {step_s:.3f} s (ours)")
 
     if args.size:
         print_flops(args)
-    print(f"load after {os.getloadavg()}")
 
 
 def print_flops(args) -> None:

@@ -81,8 +81,9 @@ def model_token_log_probs(model: nnx.Module, input_ids: jax.Array, attention_mas
                           chunk: int = LOG_PROB_CHUNK) -> tuple[jax.Array, jax.Array]:
     """``token_log_probs(model(input_ids, attention_mask)[0], ...)`` without the ``[B, L, vocab]`` float32 logits.
 
-    The LM head and log-softmax run on ``chunk`` positions at a time (``lax.map``), each chunk
-    rematerialised in the backward pass, so only ``[B, chunk, vocab]`` logits are ever live.
+    The LM head and log-softmax run on ``chunk`` positions at a time (``lax.scan``), each chunk
+    rematerialised in the backward pass, so only ``[B, chunk, vocab]`` logits are ever live. The loop is
+    unrolled when the model's ``scan_layers`` is off (``launch.compile``'s loop-free cost copies).
     """
     hidden, _ = model.model(input_ids, attention_mask)
     hidden, targets = hidden[:, :-1], input_ids[:, 1:]
@@ -96,7 +97,8 @@ def model_token_log_probs(model: nnx.Module, input_ids: jax.Array, attention_mas
         return jnp.swapaxes(x.reshape(x.shape[0], -1, chunk, *x.shape[2:]), 0, 1)
 
     one = jax.checkpoint(lambda xs: _target_log_probs(model.logits(xs[0]), xs[1], temperature))
-    out = jax.lax.map(one, (chunks(hidden), chunks(targets)))
+    _, out = jax.lax.scan(lambda _, xs: (None, one(xs)), None, (chunks(hidden), chunks(targets)),
+                          unroll=not model.config.scan_layers)
     return tuple(jnp.swapaxes(x, 0, 1).reshape(x.shape[1], -1)[:, :n] for x in out)
 
 

@@ -1,7 +1,9 @@
 """TPU ahead-of-time compilation (libtpu, no TPU): the project's programs compile for v5e:2x4 with their shardings."""
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from launch import compile as aot_compile
 from runtime import aot
@@ -68,7 +70,25 @@ def test_tdd_step_compiles_for_tpu(v5e):
     (["starpo", "--mesh", "3,-1,1"], "does not divide the 8 devices"),
     (["starpo", "--model", "Qwen9-1B"], "neither a named shape"),
     (["tdd", "--unet", "SD9"], "neither a named UNet"),
+    (["starpo", "--jobs", "2", "--cache", "none"], "needs a --cache folder"),
 ])
 def test_bad_input_gets_one_clear_message(argv, message):
     with pytest.raises(ValueError, match=message):
         aot_compile.main(argv)
+
+
+def test_compiler_cache_and_shares(v5e, tmp_path):
+    """A measured program is read back from the cache (nothing compiled twice, across processes too), and a
+    ``--jobs`` worker compiles only its share, answering the rest with zeros."""
+    _, mesh = v5e
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", "tensor")))
+    lowered = [jax.jit(f).lower(x) for f in (lambda a: a @ a.T, lambda a: jnp.tanh(a) @ a.T)]
+    devices = list(mesh.devices.flat)
+    first = aot.Compiler(cache=tmp_path)
+    measured = [first(low, 0.0, devices) for low in lowered]
+    assert first.compiled == 2 and all(m.flops > 0 for m in measured)
+    again = aot.Compiler(cache=tmp_path)
+    assert [again(low, 0.0, devices) for low in lowered] == measured and again.compiled == 0
+    worker = aot.Compiler(cache=tmp_path / "other", share=(1, 2))
+    assert worker(lowered[0], 0.0, devices).flops == 0 and worker(lowered[1], 0.0, devices) == measured[1]
+    assert worker.compiled == 1

@@ -461,8 +461,8 @@ def main(argv: Sequence[str] | None = None) -> bool:
         print("DOES NOT FIT: a program's peak exceeds the device's HBM.")
         if args.suggest:
             print(suggest(measure_fn, tpu, micro_batch, args.max_tries, remat))
-    print(f"{time.perf_counter() - clock:.0f} s; {COMPILER.compiled} programs compiled by this process"
-          + (f", the rest by {args.jobs} workers or" if args.jobs > 1 else "") + " read from the cache")
+    print(f"{time.perf_counter() - clock:.0f} s; {COMPILER.compiled} programs compiled by this process, the others "
+          f"read from the cache" + (f" (filled by {args.jobs} workers)" if args.jobs > 1 else ""))
     return fits
 
 

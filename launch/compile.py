@@ -55,7 +55,7 @@ from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.iteration import num_micro_batches
 from starpo_jax.models.config import TransformerConfig
-from starpo_jax.models.kv_cache import KVCache, cache_shardings
+from starpo_jax.models.kv_cache import KVCache, cache_shape, cache_shardings
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.models.transformer import CausalLM, Critic
 from starpo_jax.presets import PRESETS, load_config, mesh_config
@@ -148,8 +148,8 @@ def starpo_programs(model: TransformerConfig, config: StarPOConfig, mesh, *, mic
     batch, new_tokens = groups.env_groups * groups.group_size, rollout.response_length
     sampler = make_sampler(graphdef, SamplerConfig(new_tokens, rollout.temperature, rollout.top_p,
                                                    max(rollout.top_k, 0)), mesh=mesh)
-    cache_shape = (model.num_layers, batch, length + new_tokens, model.num_kv_heads, model.head_dim)
-    cache = KVCache(_sds(cache_shape, model.compute_dtype, None), _sds(cache_shape, model.compute_dtype, None),
+    shape = cache_shape(model, batch, length + new_tokens)
+    cache = KVCache(_sds(shape, model.compute_dtype, None), _sds(shape, model.compute_dtype, None),
                     _sds((batch,), jnp.int32, None))
     cache = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), cache, cache_shardings(cache, mesh))
     key = jax.eval_shape(jax.random.key, 0)

@@ -106,8 +106,8 @@ class Attention(nnx.Module):
             k = kv_cache.write(cache_k, k, positions, mask)
             v = kv_cache.write(cache_v, v, positions, mask)
             new_kv = (k, v)
-            key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[1])
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[2])
+            k, v = jnp.swapaxes(k, 1, 2).astype(q.dtype), jnp.swapaxes(v, 1, 2).astype(q.dtype)
         bias_mask = kv_cache.attention_mask(positions, key_positions, key_valid)
         out = attend(q, k, v, bias_mask, self.config.attention_chunk, unroll=not self.config.scan_layers)
         return self.o_proj(out), new_kv

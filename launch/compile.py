@@ -21,6 +21,10 @@ optimizer update, compiled alone, once); the sampler's prefill plus ``response_l
 steps, a decode step being half of a sampler compiled on a one-token prompt (a one-token prefill
 and one decode step). ``--suggest`` searches data/fsdp/tensor meshes, then remat, then smaller
 micro-batches, for a configuration whose every program fits.
+
+Each measured program is stored in ``--cache`` (keyed by its lowered text, devices and the jax / libtpu
+versions), so a rerun or a ``--suggest`` search compiles nothing twice; ``--jobs n`` compiles the
+programs in n processes (each its share, into the cache), then prints the table from the cache.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +55,7 @@ from starpo_jax.config import StarPOConfig
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.iteration import num_micro_batches
 from starpo_jax.models.config import TransformerConfig
-from starpo_jax.models.kv_cache import KVCache, cache_shardings
+from starpo_jax.models.kv_cache import KVCache, cache_shape, cache_shardings
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.models.transformer import CausalLM, Critic
 from starpo_jax.presets import PRESETS, load_config, mesh_config
@@ -143,8 +148,8 @@ def starpo_programs(model: TransformerConfig, config: StarPOConfig, mesh, *, mic
     batch, new_tokens = groups.env_groups * groups.group_size, rollout.response_length
     sampler = make_sampler(graphdef, SamplerConfig(new_tokens, rollout.temperature, rollout.top_p,
                                                    max(rollout.top_k, 0)), mesh=mesh)
-    cache_shape = (model.num_layers, batch, length + new_tokens, model.num_kv_heads, model.head_dim)
-    cache = KVCache(_sds(cache_shape, model.compute_dtype, None), _sds(cache_shape, model.compute_dtype, None),
+    shape = cache_shape(model, batch, length + new_tokens)
+    cache = KVCache(_sds(shape, model.compute_dtype, None), _sds(shape, model.compute_dtype, None),
                     _sds((batch,), jnp.int32, None))
     cache = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), cache, cache_shardings(cache, mesh))
     key = jax.eval_shape(jax.random.key, 0)
@@ -176,12 +181,16 @@ def device_bytes(tree: Any) -> float:
     return float(sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree)))
 
 
+# The compiler of this process: ``main`` gives it the result cache and, in a ``--jobs`` worker, its share.
+COMPILER = aot.Compiler()
+
+
 def _compile(program: Program | tuple, mesh) -> aot.Measure:
     """Lowers under ``jax.set_mesh`` (as ``launch.starpo.train``: activation constraints see the mesh)."""
     fn, args = program[0], program[1]
     with jax.set_mesh(mesh):
         lowered = fn.lower(*args)
-    return aot.compile_and_measure(lowered, device_bytes(args))
+    return COMPILER(lowered, device_bytes(args), list(mesh.devices.flat))
 
 
 def _depth(build: Callable[[int], dict[str, Program]], depth: int, name: str, mesh) -> aot.Measure:
@@ -347,7 +356,8 @@ def decoder_config(model: str, config: StarPOConfig) -> TransformerConfig:
     """A named shape (``DECODERS``) or a Hugging Face ``config.json`` (file or folder), with the run's numerics."""
     if model not in DECODERS and not Path(model).exists():
         raise ValueError(f"--model {model!r} is neither a named shape ({', '.join(DECODERS)}) nor a config.json path")
-    return TransformerConfig.from_hf(DECODERS.get(model, model), dtype=config.dtype, remat=config.remat)
+    return TransformerConfig.from_hf(DECODERS.get(model, model), dtype=config.dtype, remat=config.remat,
+                                     attention_chunk=config.attention_chunk)
 
 
 def unet_config(unet: str) -> tuple[dict, tuple[int, int, int | None]]:
@@ -380,16 +390,27 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--no-costs", action="store_true", help="HBM only: skip the loop-free copies for FLOPs/bytes")
     parser.add_argument("--suggest", action="store_true", help="when a program does not fit, search a mesh that does")
     parser.add_argument("--max-tries", type=int, default=8, help="configurations --suggest compiles at most")
+    parser.add_argument("--jobs", type=int, default=1, help="processes compiling the programs in parallel")
+    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "starpo_tdd_jax" / "aot"),
+                        help="folder of measured programs, reused by reruns and --jobs ('none': no cache)")
+    parser.add_argument("--share", help=argparse.SUPPRESS)  # "i/n": a --jobs worker's share of the programs
     return parser.parse_known_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> bool:
     """Prints the table; returns whether every program fits."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, overrides = parse_args(argv)
     tpu = aot.describe_slice(args.topology)
     mesh_cfg = mesh_config(args.mesh)
     mesh_cfg.shape(len(tpu.devices))
+    if args.jobs < 1 or (args.jobs > 1 and args.cache == "none"):
+        raise ValueError(f"--jobs must be >= 1 and needs a --cache folder, got --jobs {args.jobs} --cache {args.cache}")
     clock = time.perf_counter()
+    COMPILER.cache = None if args.cache == "none" else Path(args.cache)
+    COMPILER.share = tuple(int(x) for x in args.share.split("/")) if args.share else None
+    if args.jobs > 1:
+        _run_workers(argv, args.jobs)
     if args.program == "starpo":
         config = load_config(args.preset or "starpo-s-ppo", overrides)
         model = decoder_config(args.model, config)
@@ -431,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> bool:
     measured = measure_fn(mesh_cfg, remat, micro_batch, costs=not args.no_costs)
     if measured is None:
         raise ValueError(f"--mesh {args.mesh}: the data-parallel devices do not divide the mini-batch")
+    if COMPILER.share is not None:
+        return True
     table, fits = report(*measured, tpu)
     print(f"{title}; mesh {args.mesh} on {peaks(tpu)}")
     print(table)
@@ -438,8 +461,19 @@ def main(argv: Sequence[str] | None = None) -> bool:
         print("DOES NOT FIT: a program's peak exceeds the device's HBM.")
         if args.suggest:
             print(suggest(measure_fn, tpu, micro_batch, args.max_tries, remat))
-    print(f"compiled in {time.perf_counter() - clock:.0f} s")
+    print(f"{time.perf_counter() - clock:.0f} s; {COMPILER.compiled} programs compiled by this process, the others "
+          f"read from the cache" + (f" (filled by {args.jobs} workers)" if args.jobs > 1 else ""))
     return fits
+
+
+def _run_workers(argv: list[str], jobs: int) -> None:
+    """Runs ``jobs`` copies of this command, each compiling its share of the programs into the cache."""
+    command = [sys.executable, "-m", "launch.compile", *argv]
+    workers = [subprocess.Popen(command + ["--jobs", "1", "--share", f"{i}/{jobs}"], stdout=subprocess.DEVNULL)
+               for i in range(jobs)]
+    failed = [i for i, worker in enumerate(workers) if worker.wait() != 0]
+    if failed:
+        print(f"--jobs: workers {failed} failed; their programs are compiled here", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,19 @@
 
 Only shapes are needed to compile a program; the values are those of each model's Hugging Face
 ``config.json`` (decoders) or diffusers ``unet/config.json`` (UNets), restricted to the fields our
-config readers use.
+config readers use. Checked (December 2026) against copies of the published files:
+
+- Qwen2.5-0.5B / 1.5B: ``huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B}/blob/main/config.json``, as vendored in
+  Lightning-AI/litgpt ``litgpt/config.py`` and transcribed in public Qwen2Config listings;
+- Qwen2.5-3B / 7B / 14B, Qwen3-8B, Llama-3.1-8B: the config.json files collected in
+  citsjtu2020/LLM-Prof ``sglang/Model_Config.md``;
+- SDXL: ``stabilityai/stable-diffusion-xl-base-1.0/unet/config.json`` (quoted in google/maxdiffusion's
+  SDXL UNet test); SD1.5: ``runwayml/stable-diffusion-v1-5/unet/config.json`` (diffusers' defaults
+  plus ``cross_attention_dim=768``, ``attention_head_dim=8``, ``sample_size=64``).
+
+The base (not -Instruct) checkpoints' values are given; they differ only in ``max_position_embeddings``,
+which changes no shape. ``tests/test_launch_model_shapes.py`` pins every shape's parameter count,
+built by our model code on abstract shapes, to the published total.
 """
 
 from __future__ import annotations
@@ -14,13 +26,16 @@ DECODERS: dict[str, dict] = {
     "Qwen2.5-0.5B": dict(_QWEN2, vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "Qwen2.5-1.5B": dict(_QWEN2, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=131072),
     "Qwen2.5-3B": dict(_QWEN2, vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
     "Qwen2.5-7B": dict(_QWEN2, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+                       max_position_embeddings=131072),
     "Qwen2.5-14B": dict(_QWEN2, vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-                        num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5),
+                        num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                        max_position_embeddings=131072),
     "Qwen3-8B": dict(model_type="qwen3", hidden_act="silu", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,

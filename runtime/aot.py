@@ -9,9 +9,13 @@ accessed (``cost_analysis``); ``roofline`` turns those into a step-time bound fr
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
+import json
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -143,6 +147,44 @@ def compile_and_measure(lowered: Any, argument_bytes: float) -> Measure:
             raise
         temporaries = float(found[1]) * _UNITS[found[2]]
         return Measure(argument_bytes, 0.0, temporaries, argument_bytes + temporaries, 0.0, 0.0)
+
+
+@dataclasses.dataclass
+class Compiler:
+    """``compile_and_measure`` with a result cache and an optional share of the work.
+
+    ``cache``: a folder of one JSON ``Measure`` per program, keyed by the lowered program's text, the
+    devices it is placed on and the jax / libtpu versions, so a rerun (or another process) compiles
+    nothing twice. ``share = (i, n)``: this process compiles only every n-th program from the i-th on
+    (into the cache) and answers the others with zeros; ``launch.compile --jobs n`` runs n such
+    processes, then the table from the filled cache. ``compiled`` counts the programs it compiled.
+    """
+
+    cache: Path | None = None
+    share: tuple[int, int] | None = None
+    compiled: int = 0
+    _seen: int = 0
+
+    def key(self, lowered: Any, devices: Any) -> str:
+        placement = [(d.device_kind, getattr(d, "coords", None), getattr(d, "core_on_chip", None)) for d in devices]
+        versions = jax.__version__, importlib.metadata.version("libtpu")
+        return hashlib.sha256(repr((lowered.as_text(), placement, versions)).encode()).hexdigest()
+
+    def __call__(self, lowered: Any, argument_bytes: float, devices: Any) -> Measure:
+        index, self._seen = self._seen, self._seen + 1
+        path = None if self.cache is None else self.cache / f"{self.key(lowered, devices)}.json"
+        if path is not None and path.is_file():
+            return Measure(**json.loads(path.read_text()))
+        if self.share is not None and index % self.share[1] != self.share[0]:
+            return Measure(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        measured = compile_and_measure(lowered, argument_bytes)
+        self.compiled += 1
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(dataclasses.asdict(measured)))
+            tmp.replace(path)
+        return measured
 
 
 def measure(compiled: Any) -> Measure:

@@ -117,8 +117,9 @@ def hidden_log_probs(model: nnx.Module, hidden: jax.Array, targets: jax.Array, t
                      chunk: int = LOG_PROB_CHUNK) -> tuple[jax.Array, jax.Array]:
     """Log-probabilities of ``targets[B, n]`` and entropies under the LM head applied to ``hidden[B, n, E]``.
 
-    The LM head and log-softmax run on ``chunk`` positions at a time (``lax.map``), each chunk
-    rematerialised in the backward pass, so only ``[B, chunk, vocab]`` logits are ever live.
+    The LM head and log-softmax run on ``chunk`` positions at a time (``lax.scan``), each chunk
+    rematerialised in the backward pass, so only ``[B, chunk, vocab]`` logits are ever live. The loop is
+    unrolled when the model's ``scan_layers`` is off (``launch.compile``'s loop-free cost copies).
     """
     n = targets.shape[1]
     if n <= chunk:
@@ -130,7 +131,8 @@ def hidden_log_probs(model: nnx.Module, hidden: jax.Array, targets: jax.Array, t
         return jnp.swapaxes(x.reshape(x.shape[0], -1, chunk, *x.shape[2:]), 0, 1)
 
     one = jax.checkpoint(lambda xs: _target_log_probs(model.logits(xs[0]), xs[1], temperature))
-    out = jax.lax.map(one, (chunks(hidden), chunks(targets)))
+    _, out = jax.lax.scan(lambda _, xs: (None, one(xs)), None, (chunks(hidden), chunks(targets)),
+                          unroll=not model.config.scan_layers)
     return tuple(jnp.swapaxes(x, 0, 1).reshape(x.shape[1], -1)[:, :n] for x in out)
 
 

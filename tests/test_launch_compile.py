@@ -1,13 +1,20 @@
 """TPU ahead-of-time compilation (libtpu, no TPU): the project's programs compile for v5e:2x4 with their shardings."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from launch import compile as aot_compile
 from runtime import aot
 from runtime.mesh import MeshConfig
 from starpo_jax.models.config import TransformerConfig
+from starpo_jax.models.transformer import CausalLM
 from starpo_jax.presets import load_config
+from starpo_jax.steps import model_token_log_probs
 
 TINY_LM = TransformerConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=16)
@@ -68,7 +75,45 @@ def test_tdd_step_compiles_for_tpu(v5e):
     (["starpo", "--mesh", "3,-1,1"], "does not divide the 8 devices"),
     (["starpo", "--model", "Qwen9-1B"], "neither a named shape"),
     (["tdd", "--unet", "SD9"], "neither a named UNet"),
+    (["starpo", "--jobs", "2", "--cache", "none"], "needs a --cache folder"),
 ])
 def test_bad_input_gets_one_clear_message(argv, message):
     with pytest.raises(ValueError, match=message):
         aot_compile.main(argv)
+
+
+def test_compiler_cache_and_shares(v5e, tmp_path):
+    """A measured program is read back from the cache (nothing compiled twice, across processes too), and a
+    ``--jobs`` worker compiles only its share, answering the rest with zeros."""
+    _, mesh = v5e
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", "tensor")))
+    lowered = [jax.jit(f).lower(x) for f in (lambda a: a @ a.T, lambda a: jnp.tanh(a) @ a.T)]
+    devices = list(mesh.devices.flat)
+    first = aot.Compiler(cache=tmp_path)
+    measured = [first(low, 0.0, devices) for low in lowered]
+    assert first.compiled == 2 and all(m.flops > 0 for m in measured)
+    again = aot.Compiler(cache=tmp_path)
+    assert [again(low, 0.0, devices) for low in lowered] == measured and again.compiled == 0
+    worker = aot.Compiler(cache=tmp_path / "other", share=(1, 2))
+    assert worker(lowered[0], 0.0, devices).flops == 0 and worker(lowered[1], 0.0, devices) == measured[1]
+    assert worker.compiled == 1
+
+
+def test_cost_copies_count_every_block_of_chunked_log_probs_and_attention():
+    """XLA's cost analysis counts a loop body once: with ``scan_layers=False`` the loops over log-prob chunks
+    and attention blocks are unrolled, so the FLOPs equal those of the unchunked program (CPU compile)."""
+    tokens = jnp.ones((2, 40), jnp.int32)
+
+    def flops(scan_layers: bool, chunk: int) -> float:
+        config = dataclasses.replace(TINY_LM, scan_layers=scan_layers, attention_chunk=chunk)
+        with nnx.use_eager_sharding(False):
+            graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(0)))
+        log_prob_chunk = chunk or tokens.shape[1]
+        fn = lambda p: model_token_log_probs(nnx.merge(graphdef, p), tokens, tokens > 0, 1.0,  # noqa: E731
+                                             chunk=log_prob_chunk)
+        cost = jax.jit(fn).lower(params).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+    whole = flops(False, 0)
+    assert flops(False, 8) == pytest.approx(whole, rel=0.02)
+    assert flops(True, 8) < 0.5 * whole

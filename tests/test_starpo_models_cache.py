@@ -76,3 +76,26 @@ def test_bfloat16_compute_stays_close_to_float32():
     assert approx.dtype == np.float32
     scale = np.abs(exact).max()
     assert 0 < np.abs(approx - exact).max() < 0.05 * scale
+
+
+def test_query_chunked_attention_equals_full_attention_with_gradients():
+    """``attention_chunk`` (blocks of 3 queries over 8 left-padded tokens, one block padded): the same logits
+    and parameter gradients as attending all queries at once."""
+    graphdef, params = numpy_initialised(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0)))
+    chunked, _ = numpy_initialised(lambda: CausalLM(dataclasses.replace(CONFIG, attention_chunk=3),
+                                                    rngs=nnx.Rngs(0)))
+    tokens = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    mask = np.ones_like(tokens)
+    mask[1, :3] = 0
+    weights = np.random.default_rng(1).normal(size=(2, 8, CONFIG.vocab_size)).astype(np.float32)
+
+    def loss(g, p):
+        logits = nnx.merge(g, p)(tokens, mask)[0]
+        return jnp.sum(jnp.where(mask[..., None] > 0, logits * weights, 0.0)), logits
+
+    run = jax.jit(jax.grad(loss, argnums=1, has_aux=True), static_argnums=0)
+    (grads, logits), (grads_c, logits_c) = run(graphdef, params), run(chunked, params)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits_c)[valid], np.asarray(logits)[valid], atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)

@@ -83,7 +83,8 @@ def test_random_embedding_follows_initializer_range():
 
 @pytest.mark.parametrize("change, field", [
     (dict(num_heads=3), "num_heads"), (dict(dtype="float8"), "dtype"), (dict(hidden_size=0), "hidden_size"),
-    (dict(model_type="gpt2"), "model_type"), (dict(initializer_range=0.0), "initializer_range")])
+    (dict(model_type="gpt2"), "model_type"), (dict(initializer_range=0.0), "initializer_range"),
+    (dict(attention_chunk=-1), "attention_chunk")])
 def test_invalid_fields_are_named(change, field):
     valid = TransformerConfig.from_hf(transformers.Qwen2Config(**SMALL).to_dict())
     with pytest.raises(ValueError, match=field):

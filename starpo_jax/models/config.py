@@ -31,8 +31,11 @@ class TransformerConfig:
       rope_type: "default" or "llama3" (Llama 3.1 frequency scaling).
       dtype: compute dtype of activations; ``param_dtype``: storage dtype of parameters.
       remat: rematerialise each layer in the backward pass (``jax.checkpoint``).
-      scan_layers: apply the stacked layers with ``lax.scan``; False unrolls them (longer compiles, but
-        XLA's cost analysis then counts every layer, see ``launch.compile``).
+      attention_chunk: queries per attention block (``transformer.attend``); 0 attends all at once. A
+        block's ``[B, H, chunk, S]`` scores are the only ones live, also in the backward pass.
+      scan_layers: apply the stacked layers with ``lax.scan``; False unrolls them and every loop over
+        blocks (attention blocks, log-prob chunks): longer compiles, but XLA's cost analysis then counts
+        every iteration, see ``launch.compile``.
       initializer_range: standard deviation of the random token embedding (and untied LM head), as in
         Hugging Face's ``_init_weights``; projections start at ``normal(1 / sqrt(fan_in))``.
     """
@@ -63,6 +66,7 @@ class TransformerConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    attention_chunk: int = 0
     scan_layers: bool = True
     initializer_range: float = 0.02
 
@@ -85,6 +89,8 @@ class TransformerConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"TransformerConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if not isinstance(self.attention_chunk, int) or self.attention_chunk < 0:
+            raise ValueError(f"TransformerConfig.attention_chunk must be an integer >= 0, got {self.attention_chunk!r}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0 or self.initializer_range <= 0:
             raise ValueError("TransformerConfig.rms_norm_eps, rope_theta and initializer_range must be positive")
 

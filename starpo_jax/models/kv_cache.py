@@ -17,11 +17,14 @@ from jax.sharding import Mesh, NamedSharding
 from runtime.mesh import logical_sharding
 from starpo_jax.models.config import TransformerConfig
 
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+# Slots next to ``head_dim``: a ``[slots, head_dim]`` tile is what the TPU compiler lays out natively; with
+# the few kv heads as the second-minor axis it re-laid the whole cache out in a copy (two cache-sized
+# temporaries in the 7B sampler, seen with ``launch.compile``).
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 class KVCache(NamedTuple):
-    """Keys and values ``[layers, batch, max_length, kv_heads, head_dim]`` and ``lengths[batch]``."""
+    """Keys and values ``[layers, batch, kv_heads, max_length, head_dim]`` and ``lengths[batch]``."""
 
     keys: jax.Array
     values: jax.Array
@@ -29,7 +32,12 @@ class KVCache(NamedTuple):
 
     @property
     def max_length(self) -> int:
-        return self.keys.shape[2]
+        return self.keys.shape[3]
+
+
+def cache_shape(config: TransformerConfig, batch: int, max_length: int) -> tuple[int, ...]:
+    """The shape of the keys (and values) of a cache (``CACHE_AXES``)."""
+    return config.num_layers, batch, config.num_kv_heads, max_length, config.head_dim
 
 
 def init_cache(config: TransformerConfig, batch: int, max_length: int, dtype=None, mesh: Mesh | None = None) -> KVCache:
@@ -37,7 +45,7 @@ def init_cache(config: TransformerConfig, batch: int, max_length: int, dtype=Non
 
     With ``mesh``, each array is created directly on its ``cache_shardings`` sharding.
     """
-    shape = (config.num_layers, batch, max_length, config.num_kv_heads, config.head_dim)
+    shape = cache_shape(config, batch, max_length)
     dtype = config.compute_dtype if dtype is None else dtype
     kv, lengths = (None, None) if mesh is None else _shardings(shape, mesh)
     return KVCache(jnp.zeros(shape, dtype, device=kv), jnp.zeros(shape, dtype, device=kv),
@@ -70,18 +78,18 @@ def attention_mask(query_positions: jax.Array, key_positions: jax.Array, key_val
 
 
 def write(layer_cache: jax.Array, new: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-    """Writes ``new[B, T, ...]`` into ``layer_cache[B, S, ...]`` at slot = position; pads are dropped.
+    """Writes ``new[B, T, K, D]`` into ``layer_cache[B, K, S, D]`` at slot = position; pads are dropped.
 
     One decode token (``T == 1``) is written with a select over the slots, which XLA
     fuses and updates in place; a longer segment is scattered.
     """
-    slots = jnp.where(mask.astype(bool), positions, layer_cache.shape[1])
+    slots = jnp.where(mask.astype(bool), positions, layer_cache.shape[2])
     new = new.astype(layer_cache.dtype)
     if new.shape[1] == 1:
-        hit = jnp.arange(layer_cache.shape[1])[None, :] == slots
-        return jnp.where(hit.reshape(hit.shape + (1,) * (new.ndim - 2)), new, layer_cache)
+        hit = jnp.arange(layer_cache.shape[2])[None, :] == slots
+        return jnp.where(hit[:, None, :, None], jnp.swapaxes(new, 1, 2), layer_cache)
     rows = jnp.arange(layer_cache.shape[0])[:, None]
-    return layer_cache.at[rows, slots].set(new, mode="drop")
+    return layer_cache.at[rows, :, slots].set(new, mode="drop")
 
 
 def cache_key_mask(lengths: jax.Array, max_length: int) -> tuple[jax.Array, jax.Array]:

@@ -24,6 +24,30 @@ from starpo_jax.models.rope import apply_rope, inverse_frequencies
 RESIDUAL = ("batch", "length", "act_embed")
 
 
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int = 0,
+           unroll: bool = False) -> jax.Array:
+    """``jax.nn.dot_product_attention`` of ``q[B, T, H, D]``, ``chunk`` queries at a time when ``chunk > 0``.
+
+    Each block is rematerialised in the backward pass, so only one block's ``[B, H, chunk, S]`` scores
+    are ever live instead of all ``[B, H, T, S]``; every query row's softmax is the same as unblocked.
+    ``unroll`` unrolls the loop over blocks (for XLA's cost analysis, which counts a loop body once).
+    """
+    t = q.shape[1]
+    if not chunk or t <= chunk:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    blocks = -(-t // chunk)
+    pad = blocks * chunk - t
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    mask = jnp.pad(jnp.broadcast_to(mask, (q.shape[0], mask.shape[1], t, mask.shape[-1])),
+                   ((0, 0), (0, 0), (0, pad), (0, 0)))
+    q_blocks = jnp.moveaxis(q.reshape(q.shape[0], blocks, chunk, *q.shape[2:]), 1, 0)
+    mask_blocks = jnp.moveaxis(mask.reshape(*mask.shape[:2], blocks, chunk, mask.shape[-1]), 2, 0)
+    one = jax.checkpoint(lambda block: jax.nn.dot_product_attention(block[0], k, v, mask=block[1]))
+    _, out = jax.lax.scan(lambda _, block: (None, one(block)), None, (q_blocks, mask_blocks), unroll=unroll)
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape(out.shape[0], blocks * chunk, *out.shape[3:])[:, :t]
+
+
 class RMSNorm(nnx.Module):
     """``x / sqrt(mean(x^2) + eps) * w`` (Zhang & Sennrich 2019, eq. 4), normalised in float32."""
 
@@ -82,10 +106,10 @@ class Attention(nnx.Module):
             k = kv_cache.write(cache_k, k, positions, mask)
             v = kv_cache.write(cache_v, v, positions, mask)
             new_kv = (k, v)
-            key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[1])
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[2])
+            k, v = jnp.swapaxes(k, 1, 2).astype(q.dtype), jnp.swapaxes(v, 1, 2).astype(q.dtype)
         bias_mask = kv_cache.attention_mask(positions, key_positions, key_valid)
-        out = jax.nn.dot_product_attention(q, k, v, mask=bias_mask)
+        out = attend(q, k, v, bias_mask, self.config.attention_chunk, unroll=not self.config.scan_layers)
         return self.o_proj(out), new_kv
 
 
@@ -145,21 +169,26 @@ class Decoder(nnx.Module):
         if cache is None:
             def body(h, state):
                 return constrain(nnx.merge(graphdef, state)(h, positions, mask)[0], RESIDUAL), None
-            xs = layer_state
+            carry, xs = x, layer_state
         else:
             new_lengths = lengths + jnp.sum(mask, axis=-1, dtype=jnp.int32)
 
-            def body(h, inputs):
-                state, cache_k, cache_v = inputs
-                h, new_kv = nnx.merge(graphdef, state)(h, positions, mask, (cache_k, cache_v, new_lengths))
-                return constrain(h, RESIDUAL), new_kv
-            xs = (layer_state, cache.keys, cache.values)
+            # The cache rides in the carry and each layer's slice is updated in place: scanning it as
+            # xs -> ys would hold a second full cache (the decode loop's largest buffer).
+            def body(carry, inputs):
+                h, keys, values = carry
+                state, layer = inputs
+                h, (k, v) = nnx.merge(graphdef, state)(h, positions, mask, (keys[layer], values[layer], new_lengths))
+                update = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, layer, 0)  # noqa: E731
+                return (constrain(h, RESIDUAL), update(keys, k), update(values, v)), None
+            carry, xs = (x, cache.keys, cache.values), (layer_state, jnp.arange(self.config.num_layers))
         if self.config.remat:
             body = jax.checkpoint(body)
-        x, new_kv = jax.lax.scan(body, x, xs, unroll=1 if self.config.scan_layers else True)
-        if cache is not None:
-            cache = KVCache(new_kv[0], new_kv[1], new_lengths)
-        return constrain(self.norm(x), RESIDUAL), cache
+        carry, _ = jax.lax.scan(body, carry, xs, unroll=1 if self.config.scan_layers else True)
+        if cache is None:
+            return constrain(self.norm(carry), RESIDUAL), None
+        x, keys, values = carry
+        return constrain(self.norm(x), RESIDUAL), KVCache(keys, values, new_lengths)
 
 
 class CausalLM(nnx.Module):

@@ -58,10 +58,11 @@ from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import KVCache, cache_shape, cache_shardings
 from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.models.transformer import CausalLM, Critic
-from starpo_jax.presets import PRESETS, load_config, mesh_config
+from starpo_jax.presets import load_config, mesh_config
 from starpo_jax.sampler import SamplerConfig, make_sampler
 from starpo_jax.steps import (CriticBatch, PolicyBatch, make_actor_step, make_critic_step, make_log_prob_fn,
                               make_optimizer, make_value_fn, split_trainable)
+from starpo_jax.trainer import lora_config
 from tdd_jax.distill import (DistillBatch, DistillState, FrozenParams, Unconditional, compile_distill_step,
                              make_distill_step, split_model)
 from tdd_jax.distill import make_optimizer as make_distill_optimizer
@@ -126,7 +127,7 @@ def starpo_programs(model: TransformerConfig, config: StarPOConfig, mesh, *, mic
     parameters, the reference copy).
     """
     rollout = config.actor_rollout_ref.rollout
-    lora = LoRAConfig(rank=config.lora.rank, alpha=float(config.lora.alpha)) if config.lora.rank else None
+    lora = lora_config(config)
     length = rollout.max_model_len
     rows2 = batch_sharding(mesh, 2)
     graphdef, trainable, frozen = split_trainable(_abstract_model(CausalLM, model, lora, mesh), lora is not None)

@@ -1,7 +1,7 @@
 """Checks a frozen-dataclass config tree against its annotations, naming the offending key path.
 
 Names of registered parts (estimators, losses, filters, ...) are plain ``str`` fields here; their
-registries check them (``starpo_jax.config.validate``), so a newly registered name is accepted.
+registries check them (``starpo_jax.config_checks.validate``), so a newly registered name is accepted.
 """
 
 from __future__ import annotations

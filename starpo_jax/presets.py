@@ -24,7 +24,8 @@ from typing import Sequence
 from runtime.config import split_section
 from runtime.mesh import MeshConfig
 from runtime.preset import Preset, build_config
-from starpo_jax.config import StarPOConfig, resolve, validate
+from starpo_jax.config import StarPOConfig, resolve
+from starpo_jax.config_checks import validate
 from starpo_jax.custom_envs import SECTION, apply_overrides
 from starpo_jax.ragen2_presets import SLIPPER_PRESETS, TASKS
 

@@ -29,7 +29,8 @@ from runtime.metrics import MetricWriter
 from runtime.preemption import PreemptionHandler
 from runtime.run_folder import RunFolder
 from runtime.wandb_logger import WandbLogger
-from starpo_jax.config import StarPOConfig, lora_targets
+from starpo_jax.config import StarPOConfig
+from starpo_jax.config_keys import lora_targets
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.iteration import build_learner, update
 from starpo_jax.models.hf_io import check_model_folder, load_pretrained, save_pretrained

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from starpo_jax.config import StarPOConfig, resolve, validate
+from starpo_jax.config import StarPOConfig, resolve
+from starpo_jax.config_checks import validate
 from starpo_jax.presets import PRESETS, load_config, parse_args
 
 

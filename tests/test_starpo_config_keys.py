@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from starpo_jax.config import StarPOConfig, resolve, validate
+from starpo_jax.config import StarPOConfig, resolve
+from starpo_jax.config_checks import validate
 from starpo_jax.config_keys import REFUSED_KEYS, lora_targets, value_at
 from starpo_jax.models.lora import ALL_LINEAR
 from starpo_jax.presets import load_config

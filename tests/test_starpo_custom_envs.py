@@ -11,7 +11,8 @@ import envs
 from envs.frozen_lake import FROZEN_LAKE_INSTRUCTION, FrozenLakeState
 from envs.sokoban import DIFFERENT_GRID_LOOKUP, SOKOBAN_INSTRUCTION
 from envs.text import env_prefix
-from starpo_jax.config import StarPOConfig, resolve, validate
+from starpo_jax.config import StarPOConfig, resolve
+from starpo_jax.config_checks import validate
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, run_turn
 from starpo_jax.presets import load_config
 from starpo_jax.trajectory import render_chat

@@ -16,7 +16,8 @@ from envs.text import reward_text
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_state
 from starpo_jax.chat_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS, train_chat_tokenizer
-from starpo_jax.config import StarPOConfig, resolve, validate
+from starpo_jax.config import StarPOConfig, resolve
+from starpo_jax.config_checks import validate
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, slot_metrics
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
 from starpo_jax.fused_tables import build_reward_table

@@ -8,7 +8,8 @@
 ``start`` pins the process to ``threads`` cores before the XLA CPU client starts (XLA sizes its thread
 pool from the cores the process may use, and all its threads run on those cores), gives PyTorch the same
 number of threads, and prints the thread count and the load average at the start and the end. When the
-1-minute load was above ``BUSY_LOAD_PER_CORE`` × cores at either end it prints a warning under the table:
+1-minute load was above ``BUSY_LOAD_PER_CORE`` × cores at the start, or at the end once the benchmark's own
+threads are subtracted, it prints a warning under the table:
 the figures come from a busy machine and must not be recorded as idle numbers (in-process ratios still
 compare like with like).
 """
@@ -63,14 +64,15 @@ def start(threads: int) -> int:
     set_threads(threads)
     line, first = load_line("start")
     print(f"threads: {threads} for XLA (process affinity) and for torch; {os.cpu_count()} cores; {line}", flush=True)
-    atexit.register(_finish, first)
+    atexit.register(_finish, first, threads)
     return threads
 
 
-def _finish(first: float) -> None:
+def _finish(first: float, threads: int) -> None:
+    """The end report; the end load counts this benchmark's own ``threads`` busy threads, so they are subtracted."""
     line, last = load_line("end")
     print(line)
-    if busy(first) or busy(last):
+    if busy(first) or busy(last - threads):
         print(f"WARNING: machine busy (1-min load {first:.2f} at start, {last:.2f} at end > "
               f"{BUSY_LOAD_PER_CORE} x {os.cpu_count()} cores): do not record these figures as idle numbers; "
               "only in-process ratios compare like with like. Re-run on an idle machine.", flush=True)

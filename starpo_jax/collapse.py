@@ -42,10 +42,12 @@ ROW_BUCKET, PROMPT_BUCKET, REASONING_BUCKET = 8, 64, 16
 class CollapseDetectionConfig:
     """RAGEN-2's ``collapse_detection.*`` keys (``config/base.yaml`` values; ragen2.md §3.2).
 
+    RAGEN-2's ``micro_batch_size`` only chunks how its cross batch is built and does not change the result;
+    here the whole cross matrix is one program, so the key has no counterpart.
+
     Attributes:
       enabled: run the detector at all (ours; RAGEN-2 runs it when either family is enabled).
       compute_freq: steps 1, ``compute_freq``, ``2·compute_freq``, …
-      micro_batch_size: RAGEN's chunk size while building the cross batch; it does not change the result.
       first_turn_enabled, multi_turn_enabled: the two sample-set families.
       num_samples: pairs per family (an int > 0, or ``"all"``).
       std_eps: the z-score denominator's epsilon.
@@ -54,7 +56,6 @@ class CollapseDetectionConfig:
 
     enabled: bool = False
     compute_freq: int = 5
-    micro_batch_size: int = 128
     first_turn_enabled: bool = True
     multi_turn_enabled: bool = True
     num_samples: int | str = 64

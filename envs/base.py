@@ -81,6 +81,13 @@ class TextEnvironment(environment.Environment):
         """
         raise NotImplementedError
 
+    def episode_metrics(self, state) -> dict[str, jax.Array]:
+        """Metrics read off the state an episode ends in (RAGEN-2's ``{Tag}/max_tile`` of 2048, ragen2.md §6.8).
+
+        Jittable and vmappable; both rollout drivers log each entry per trajectory. None by default.
+        """
+        return {}
+
     # The fused rollout driver's interface (``starpo_jax.fused_rollout``): an environment type that
     # implements ``step_reward_values`` runs on device; the others are host-only.
 

@@ -140,7 +140,12 @@ class Game2048(TextEnvironment):
         reward = jnp.where(params.use_log_reward, log, raw).astype(jnp.float32)
         new_state = Game2048State(grid, score, state.time + 1)
         info = step_info(terminal & (jnp.max(grid) >= 2048), moved, moved)
+        info.update(raw_reward=raw.astype(jnp.float32), score=score)  # RAGEN's per-step raw merge sum and running score
         return self.get_obs(new_state), new_state, reward, terminal, info
+
+    def episode_metrics(self, state: Game2048State) -> dict[str, jax.Array]:
+        """RAGEN-2's ``max_tile``: the largest tile of the grid the episode ends on."""
+        return {"max_tile": jnp.max(state.grid)}
 
     def get_obs(self, state: Game2048State, params=None, key=None) -> jax.Array:
         """The 16 tiles, the score and the four valid-move flags: everything ``render`` shows."""

@@ -74,8 +74,12 @@ class GymnaxHostEnv:
         self._steps += 1
         _, state, reward, done, info = self._step(self._key, self._steps, self.state, action, self.params)
         self.state, reward, done, info = jax.device_get((state, reward, done, info))
-        info = {name: bool(value) for name, value in info.items()}
+        info = {name: value.item() for name, value in info.items()}  # bool flags, numeric values as numbers
         return self.render(), self.env.reward_value(float(reward), self.params), bool(done), info
+
+    def episode_metrics(self) -> dict[str, float]:
+        """``TextEnvironment.episode_metrics`` of the current state, as Python numbers."""
+        return {name: float(value) for name, value in jax.device_get(self.env.episode_metrics(self.state)).items()}
 
     def render(self) -> str:
         return self.env.render_text(self.state)
@@ -96,6 +100,8 @@ class Slot:
     truncated: bool = False
     turn_infos: list[dict] = dataclasses.field(default_factory=list)
     turn_rewards: list[list[Any]] = dataclasses.field(default_factory=list)
+    turn_raw_rewards: list[list[float]] = dataclasses.field(default_factory=list)
+    final_score: float | None = None
 
     @property
     def done(self) -> bool:
@@ -129,10 +135,13 @@ def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: 
         to_run, penalised = mapped.action_ids, mapped.format_penalty
     else:
         to_run, penalised = list(actions[:max(budget, 0)]), not actions
-    step_rewards, info, done = [], {}, False
+    step_rewards, raw_rewards, info, done = [], [], {}, False
     for action in to_run:
         _, reward, done, info = slot.env.step(action)
         step_rewards.append(reward)
+        raw_rewards.append(info.get("raw_reward", reward))
+        if "score" in info:
+            slot.final_score = float(info["score"])
         slot.num_actions += 1
         if done:
             break
@@ -141,6 +150,7 @@ def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: 
     turn = slot.history[-1]
     turn.llm_response, turn.reward = llm_response, reward_text(step_rewards)
     slot.turn_rewards.append(step_rewards)
+    slot.turn_raw_rewards.append(raw_rewards)
     slot.turn_infos.append(info)
     if done:
         slot.terminated, slot.truncated = True, not info.get("success", False)
@@ -158,14 +168,27 @@ def apply_context_window(slot: Slot, window: int) -> None:
     dropped = len(slot.history) - window if window > 0 else 0
     if dropped > 0:
         del slot.history[:dropped], slot.turn_infos[:dropped], slot.turn_rewards[:dropped]
+        del slot.turn_raw_rewards[:dropped]
 
 
 def slot_metrics(slot: Slot) -> dict[str, float]:
-    """RAGEN's per-trajectory env metrics: success, num_actions and the turn-averaged info flags (starpo.md §19)."""
+    """RAGEN's per-trajectory env metrics (starpo.md §19, ragen2.md §6.8).
+
+    ``success``, ``num_actions`` and the turn-averaged ``action_is_effective`` / ``action_is_valid``;
+    ``episodic_return``, the sum over executed actions of ``info["raw_reward"]`` (the step reward where the
+    environment reports none); ``final_score``, the last ``info["score"]`` (2048's running score), when some
+    step reported one; and the environment's ``episode_metrics`` of its final state (2048's ``max_tile``).
+    """
     infos = slot.turn_infos or [{}]
-    return {
+    metrics = {
         "success": float(slot.success),
         "num_actions": float(slot.num_actions),
         "action_is_effective": sum(float(i.get("action_is_effective", False)) for i in infos) / len(infos),
         "action_is_valid": sum(float(i.get("action_is_valid", False)) for i in infos) / len(infos),
+        "episodic_return": float(sum(r for turn in slot.turn_raw_rewards for r in turn)),
     }
+    if slot.final_score is not None:
+        metrics["final_score"] = slot.final_score
+    if hasattr(slot.env, "episode_metrics"):
+        metrics.update(slot.env.episode_metrics())
+    return metrics

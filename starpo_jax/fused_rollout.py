@@ -59,6 +59,7 @@ class FusedEpisode(NamedTuple):
     length: jax.Array
     log_probs: jax.Array  # [B, S] the sampler's log-prob of each sampled id, NaN for fed ids
     step_rewards: jax.Array  # [B, max_actions_per_traj] float32, in execution order
+    step_raw_rewards: jax.Array  # [B, max_actions_per_traj] float32 info["raw_reward"], NaN where none
     turn_scores: jax.Array  # [B, max_turn] float32, each played turn's summed reward (0 after the last)
     num_actions: jax.Array
     num_penalties: jax.Array
@@ -67,7 +68,9 @@ class FusedEpisode(NamedTuple):
     num_effective: jax.Array
     terminated: jax.Array
     truncated: jax.Array
+    final_score: jax.Array  # [B] float32 the last info["score"], NaN where no step reported one
     overflow: jax.Array  # some turn's prompt exceeded max_model_len
+    env_metrics: tuple = ()  # per block: TextEnvironment.episode_metrics of the final states
 
 
 def _concat(pieces: Sequence[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
@@ -120,27 +123,34 @@ class _Loop(NamedTuple):
     episode: FusedEpisode
 
 
-def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, step_rewards, active):
+def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, step_rewards, raw_rewards, score,
+                  active):
     """``run_turn``'s execution: the parsed valid actions in order, stopping at ``done``."""
     env, rewards = tables.env, tables.rewards
     step = jax.vmap(env.step_env, (0, 0, 0, None))
     rows = jnp.arange(action_ids.shape[0])
 
     def one(carry, action):
-        state, count, total, running, done, success, valid, effective, stepped, reward_buffer = carry
+        state, count, total, running, done, success, valid, effective, stepped, reward_buffer, raw_buffer, score = carry
         run = running & (action >= 0)
         keys = jax.vmap(jax.random.fold_in)(block.keys, count + 1)
         _, new_state, reward, new_done, info = step(keys, state, jnp.maximum(action, 0), tables.params)
         value = jnp.argmin(jnp.abs(reward[:, None] - rewards.values[None]), axis=1)
-        reward_buffer = reward_buffer.at[rows, jnp.where(run, count, reward_buffer.shape[1])].set(reward, mode="drop")
+        column = jnp.where(run, count, reward_buffer.shape[1])
+        reward_buffer = reward_buffer.at[rows, column].set(reward, mode="drop")
+        raw = info.get("raw_reward", jnp.full_like(reward, jnp.nan))
+        raw_buffer = raw_buffer.at[rows, column].set(raw.astype(jnp.float32), mode="drop")
+        if "score" in info:
+            score = jnp.where(run, info["score"].astype(jnp.float32), score)
         return (_where(run, new_state, state), count + run, jnp.where(run, rewards.next_total[total, value], total),
                 running & ~(run & new_done), jnp.where(run, new_done, done),
                 jnp.where(run, info["success"], success), jnp.where(run, info["action_is_valid"], valid),
-                jnp.where(run, info["action_is_effective"], effective), stepped | run, reward_buffer), None
+                jnp.where(run, info["action_is_effective"], effective), stepped | run, reward_buffer, raw_buffer,
+                score), None
 
     false = jnp.zeros_like(active)
     init = (block.env_state, num_actions, jnp.zeros_like(num_actions), active, false, false, false, false, false,
-            step_rewards)
+            step_rewards, raw_rewards, score)
     return jax.lax.scan(one, init, action_ids.T)[0]
 
 
@@ -209,14 +219,16 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
             parsed = jax.vmap(lambda i, n, a: parse_tokens(t.parser, i, n, a))(out.tokens[lo:hi], out.lengths[lo:hi],
                                                                                 left)
             on = active[lo:hi]
-            (state, count, total, _, done, success, valid, effective, stepped,
-             rewards) = _play_actions(t, b, parsed.action_ids, e.num_actions[lo:hi], e.step_rewards[lo:hi], on)
+            (state, count, total, _, done, success, valid, effective, stepped, rewards, raw_rewards,
+             score) = _play_actions(t, b, parsed.action_ids, e.num_actions[lo:hi], e.step_rewards[lo:hi],
+                                    e.step_raw_rewards[lo:hi], e.final_score[lo:hi], on)
             blocks.append(_Block(b.keys, state, jnp.where(on, total, b.reward_total)))
             done_now = on & done
             out_of_budget = on & ~done & (count >= t.env.max_actions_per_traj)
             turn_scores = e.turn_scores[lo:hi].at[:, s.turn].set(jnp.where(on, t.rewards.totals[total], 0.0))
             columns.append(dict(
-                step_rewards=rewards, turn_scores=turn_scores, num_actions=count,
+                step_rewards=rewards, step_raw_rewards=raw_rewards, final_score=score, turn_scores=turn_scores,
+                num_actions=count,
                 num_penalties=e.num_penalties[lo:hi] + (on & parsed.format_penalty),
                 num_turns=e.num_turns[lo:hi] + on, num_valid=e.num_valid[lo:hi] + (on & stepped & valid),
                 num_effective=e.num_effective[lo:hi] + (on & stepped & effective),
@@ -240,8 +252,9 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         episode = FusedEpisode(jnp.zeros((batch, cache.max_length), jnp.int32), zeros,
                                jnp.full((batch, cache.max_length), jnp.nan, jnp.float32),
                                jnp.zeros((batch, max_budget), jnp.float32),
+                               jnp.full((batch, max_budget), jnp.nan, jnp.float32),
                                jnp.zeros((batch, settings.max_turn), jnp.float32), zeros, zeros, zeros, zeros, zeros,
-                               false, false, jnp.bool_(False))
+                               false, false, jnp.full(batch, jnp.nan, jnp.float32), jnp.bool_(False))
         state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), tuple(blocks), episode)
         final = jax.lax.while_loop(lambda s: (s.turn < settings.max_turn) & jnp.any(~s.episode.terminated),
                                    lambda s: turn_body(params, key, s), state)
@@ -249,7 +262,8 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                               jnp.where(final.ended, 0, 1).astype(jnp.int32))
         ids, length = _append(ids, length, jnp.broadcast_to(tail.ids, (batch, tail.ids.shape[1])),
                               jnp.full(batch, tail.lengths[0]))
-        return final.episode._replace(ids=ids, length=length)
+        env_metrics = tuple(jax.vmap(t.env.episode_metrics)(b.env_state) for t, b in zip(tables, final.blocks))
+        return final.episode._replace(ids=ids, length=length, env_metrics=env_metrics)
 
     return FusedRollout(jax.jit(rollout), tuple(tables), tuple(block_sizes), settings, mesh)
 
@@ -289,19 +303,26 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
     sequences = [row[:n] for row, n in zip(episode.ids, episode.length)]
     sampled = [row[:n] for row, n in zip(episode.log_probs, episode.length)]
     scores, penalties, metrics = [], [], []
+    starts = np.cumsum([0, *program.block_sizes])
     for i, tag in enumerate(tag_ids):
-        t = tables[tag]
-        scores.append(float(sum(t.env.reward_value(float(r), t.params)
-                                for r in episode.step_rewards[i, :episode.num_actions[i]])))
+        t, executed = tables[tag], range(int(episode.num_actions[i]))
+        rewards = [t.env.reward_value(float(episode.step_rewards[i, k]), t.params) for k in executed]
+        scores.append(float(sum(rewards)))
         penalty = 0.0
         for _ in range(int(episode.num_penalties[i])):  # run_turn's float sum, rounding included
             penalty += settings.format_penalty
         penalties.append(penalty)
         turns = max(int(episode.num_turns[i]), 1)
-        metrics.append({"success": float(episode.terminated[i] and not episode.truncated[i]),
-                        "num_actions": float(episode.num_actions[i]),
-                        "action_is_effective": int(episode.num_effective[i]) / turns,
-                        "action_is_valid": int(episode.num_valid[i]) / turns})
+        raw = [float(episode.step_raw_rewards[i, k]) for k in executed]
+        row = {"success": float(episode.terminated[i] and not episode.truncated[i]),
+               "num_actions": float(episode.num_actions[i]),
+               "action_is_effective": int(episode.num_effective[i]) / turns,
+               "action_is_valid": int(episode.num_valid[i]) / turns,
+               "episodic_return": float(sum(r if r == r else v for r, v in zip(raw, rewards)))}  # NaN: no raw_reward
+        if not np.isnan(episode.final_score[i]):
+            row["final_score"] = float(episode.final_score[i])
+        row.update({name: float(v[i - starts[tag]]) for name, v in episode.env_metrics[tag].items()})
+        metrics.append(row)
     turn_scores = ([row[:n] for row, n in zip(episode.turn_scores, episode.num_turns)]
                    if settings.use_turn_scores else None)
     return FusedOutput(pack_sequences(tokenizer, sequences, settings, scores=scores, penalty=penalties,

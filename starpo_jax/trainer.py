@@ -42,15 +42,17 @@ from starpo_jax.tokenizer import load_tokenizer, require_chat_template
 
 def env_metrics(rows: list[dict[str, float]], tag_ids: np.ndarray, scores: np.ndarray, tags: Sequence[str],
                 prefix: str) -> dict[str, float]:
-    """``{prefix}/{Tag}/{success,num_actions,action_is_effective,action_is_valid}`` means over trajectories
-    (``rows``: one ``slot_metrics`` dict each), and ``{prefix}/{Tag}/reward/{mean,std}`` of their ``scores``."""
+    """``{prefix}/{Tag}/{name}`` over the tag's trajectories of every ``slot_metrics`` entry (``rows``: one dict
+    each; RAGEN's ``reduce_metrics``: the max for names containing ``max``, the min for ``min``, else the mean, over
+    the rows that have the entry), and ``{prefix}/{Tag}/reward/{mean,std}`` of their ``scores``."""
     out: dict[str, float] = {}
     for tag_id, tag in enumerate(tags):
         tagged = np.flatnonzero(np.asarray(tag_ids) == tag_id)
         if not len(tagged):
             continue
-        for name in rows[tagged[0]]:
-            out[f"{prefix}/{tag}/{name}"] = float(np.mean([rows[i][name] for i in tagged]))
+        for name in dict.fromkeys(name for i in tagged for name in rows[i]):
+            reduce = np.max if "max" in name else np.min if "min" in name else np.mean
+            out[f"{prefix}/{tag}/{name}"] = float(reduce([rows[i][name] for i in tagged if name in rows[i]]))
         tag_scores = np.asarray(scores)[tagged]
         out[f"{prefix}/{tag}/reward/mean"] = float(tag_scores.mean())
         out[f"{prefix}/{tag}/reward/std"] = float(tag_scores.std())

@@ -31,7 +31,7 @@ def test_known_arm_ends_the_episode_without_penalty():
     assert slot.history[0].reward == f"Reward:\n{slot.score}\n"
     assert slot.history[1].state.startswith("Dragon: ") and slot.history[1].actions_left == 0
     assert slot_metrics(slot) == {"success": 1.0, "num_actions": 1.0, "action_is_effective": 1.0,
-                                  "action_is_valid": 1.0}
+                                  "action_is_valid": 1.0, "episodic_return": slot.score}
 
 
 def test_low_arm_is_done_but_not_a_success():

@@ -1,0 +1,92 @@
+"""RAGEN-2's environment metrics (ragen2.md §6.8) on a hand-played 2048 episode: episodic_return, max_tile,
+final_score, with the numeric info values the host wrapper keeps."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import envs
+from envs.game_2048 import Game2048State
+from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, run_turn, slot_metrics
+from starpo_jax.trainer import env_metrics
+
+START = [[2, 2, 4, 8], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+TURNS = [["Up"], ["Left", "Left"], ["Down"]]  # Up moves nothing: raw reward -0.1, no spawn
+
+
+def slide_left(row):
+    """One 2048 row slid left: (new row, merge sum), tiles merging once each, from the front."""
+    values, out, merged, k = [v for v in row if v], [], 0, 0
+    while k < len(values):
+        if k + 1 < len(values) and values[k] == values[k + 1]:
+            out.append(2 * values[k])
+            merged += 2 * values[k]
+            k += 2
+        else:
+            out.append(values[k])
+            k += 1
+    return out + [0] * (len(row) - len(out)), merged
+
+
+def move(grid, name):
+    """NumPy 2048 move: (moved, merge sum); Up/Down/Right are Left on a rotated grid."""
+    turns = {"Left": 0, "Up": 1, "Right": 2, "Down": 3}[name]
+    rotated = np.rot90(np.asarray(grid), turns)
+    rows = [slide_left(list(r)) for r in rotated]
+    new = np.asarray([r for r, _ in rows])
+    return not np.array_equal(new, rotated), sum(m for _, m in rows)
+
+
+class Recorded(GymnaxHostEnv):
+    """The host wrapper, recording the grid before each step and the info after it."""
+
+    def step(self, action):
+        self.grids.append(np.asarray(self.state.grid))
+        out = super().step(action)
+        self.infos.append(out[3])
+        return out
+
+
+@pytest.fixture(scope="module")
+def played():
+    env = Recorded(envs.make("game_2048", envs.CUSTOM_ENVS_V2))
+    env.grids, env.infos = [], []
+    slot = reset_slot(env, 0, 0, 0)
+    env.state = Game2048State(jnp.asarray(START, jnp.int32), jnp.int32(0), jnp.int32(0))
+    for actions in TURNS:
+        run_turn(slot, "r", actions)
+    names = [name for actions in TURNS for name in actions]
+    raws = []
+    for grid, name in zip(env.grids, names):
+        moved, merged = move(grid, name)
+        raws.append(float(merged) if moved else float(np.float32(-0.1)))
+    return slot, env, raws, env.infos
+
+
+def test_host_wrapper_keeps_numeric_info_values(played):
+    _, _, raws, infos = played
+    assert infos[0]["action_is_valid"] is False and infos[0]["raw_reward"] == raws[0] == float(np.float32(-0.1))
+    assert isinstance(infos[1]["score"], int) and isinstance(infos[1]["raw_reward"], float)
+    assert [i["raw_reward"] for i in infos] == raws
+
+
+def test_episodic_return_max_tile_and_final_score_of_a_hand_played_game(played):
+    slot, env, raws, _ = played
+    metrics = slot_metrics(slot)
+    assert raws[:2] == [float(np.float32(-0.1)), 4.0]  # Up: nothing moves; Left: 2+2 merge
+    assert metrics["episodic_return"] == sum(raws)
+    assert metrics["final_score"] == sum(r for r in raws if r > 0) == float(env.state.score)
+    assert metrics["max_tile"] == float(np.max(env.state.grid)) >= 8
+    assert metrics["num_actions"] == 4.0 and metrics["action_is_valid"] == pytest.approx(2 / 3)
+    assert slot.score == pytest.approx(sum(0.1 * np.log2(r + 1) for r in raws if r > 0))
+
+
+def test_trainer_logs_them_per_tag_with_ragens_reduction(played):
+    slot, *_ = played
+    rows = [slot_metrics(slot), {**slot_metrics(slot), "max_tile": 2.0, "episodic_return": 0.0},
+            {"success": 1.0, "num_actions": 1.0}]
+    out = env_metrics(rows, np.array([0, 0, 1]), np.array([1.0, 2.0, 3.0]), ("game_2048", "Bandit"), "train")
+    assert out["train/game_2048/max_tile"] == rows[0]["max_tile"]  # max over trajectories
+    assert out["train/game_2048/episodic_return"] == pytest.approx(rows[0]["episodic_return"] / 2)
+    assert out["train/game_2048/final_score"] == rows[0]["final_score"]
+    assert "train/Bandit/max_tile" not in out and out["train/Bandit/success"] == 1.0

@@ -14,6 +14,8 @@ FORMAT_PENALTY = -0.1
 THINK_FORMAT = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 ANSWER_FORMAT = "<answer> [your answer] </answer>"
 SPECIAL_TOKENS = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
+# RAGEN-2's warning after the state that follows a turn with no valid action (ragen2.md §6.6; inference only).
+INVALID_ACTION_WARNING = "No valid action provided previously. Environment state remains the same. Please try again.\n"
 
 
 def env_prefix(env) -> str:
@@ -31,13 +33,18 @@ def env_prefix(env) -> str:
     return text
 
 
-def turn_text(turn: int, state: str | None, actions_left: int, max_tokens: int = 100, enable_think: bool = True) -> str:
-    """``"\\nTurn {k}:\\n"`` plus the state block RAGEN appends to the running user message."""
+def turn_text(turn: int, state: str | None, actions_left: int, max_tokens: int = 100, enable_think: bool = True,
+              warning: bool = False) -> str:
+    """``"\\nTurn {k}:\\n"`` plus the state block RAGEN appends to the running user message.
+
+    ``warning``: RAGEN-2's ``INVALID_ACTION_WARNING`` between the state and the budget line.
+    """
     text = f"\nTurn {turn}:\n"
     if state is not None:
         response_format = THINK_FORMAT if enable_think else ANSWER_FORMAT
         text += (
-            f"State:\n{state}\nYou have {actions_left} actions left. Always output: {response_format} "
+            f"State:\n{state}\n{INVALID_ACTION_WARNING if warning else ''}"
+            f"You have {actions_left} actions left. Always output: {response_format} "
             f"with no extra text. Strictly follow this format. Max response length: {max_tokens} words (tokens).\n"
         )
     return text

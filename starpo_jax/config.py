@@ -199,6 +199,10 @@ class AgentProxyConfig:
     enable_think: bool = True
     reward_normalization: RewardNormalizationConfig = RewardNormalizationConfig()
     rollout_driver: str = "host"  # a starpo_jax.rollout_drivers.ROLLOUT_DRIVERS name; fused: JAX envs, sampled ids
+    # RAGEN-2's prompt (ragen2.md §6.6-6.7; starpo_jax.trajectory.validate_prompt_keys): v1 = the environment
+    # prefix in the first user message; v2 = in the system message, plus the invalid-action warning when sampling.
+    prompt_layout: str = "v1"
+    context_window_mode: str = "full"  # RAGEN-2's key; only full is implemented (the per-turn modes are refused)
 
 
 @dataclass(frozen=True)

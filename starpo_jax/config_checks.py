@@ -18,6 +18,7 @@ from starpo_jax.custom_envs import validate_custom_envs
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
 from starpo_jax.losses import CRITIC_LOSSES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from starpo_jax.scores import NORMALIZATION_METHODS
+from starpo_jax.trajectory import validate_prompt_keys
 
 
 def _require(condition: bool, message: str) -> None:
@@ -118,6 +119,7 @@ def _validate_rollout(config: StarPOConfig) -> None:
     _require(proxy.max_actions_per_turn >= 1, "agent_proxy.max_actions_per_turn must be >= 1")
     _require(proxy.max_context_window == -1 or proxy.max_context_window >= 1,
              f"agent_proxy.max_context_window must be -1 or >= 1, got {proxy.max_context_window}")
+    validate_prompt_keys(proxy.prompt_layout, proxy.context_window_mode)
     if proxy.rollout_driver == "fused":
         tags = config.es_manager.train.env_configs.tags + config.es_manager.val.env_configs.tags
         host_only = [t for t in tags if not runs_on_device(config.custom_envs[t].env_type)]

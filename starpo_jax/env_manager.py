@@ -156,7 +156,8 @@ def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: 
         slot.terminated, slot.truncated = True, not info.get("success", False)
     elif slot.num_actions >= slot.env.max_actions_per_traj:
         slot.terminated = slot.truncated = True
-    slot.history.append(Turn(slot.env.render(), slot.env.max_actions_per_traj - slot.num_actions))
+    slot.history.append(Turn(slot.env.render(), slot.env.max_actions_per_traj - slot.num_actions,
+                             invalid_action=not to_run))
 
 
 def apply_context_window(slot: Slot, window: int) -> None:

@@ -119,6 +119,7 @@ class _Loop(NamedTuple):
     ids: jax.Array
     length: jax.Array
     ended: jax.Array
+    warned: jax.Array  # the row's last turn executed no valid action (RAGEN-2's warning, prompt_layout=v2)
     blocks: tuple
     episode: FusedEpisode
 
@@ -180,10 +181,10 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
     tail = make_piece([tokenizer.encode(training_tail(tokenizer, _finished_slot(), settings), add_special_tokens=False)])
     max_budget = max(t.env.max_actions_per_traj for t in tables)
 
-    def segment(t: EnvTables, block: _Block, turn, ended, num_actions, active):
+    def segment(t: EnvTables, block: _Block, turn, ended, warned, num_actions, active):
         rows = ended.shape[0]
         obs = jax.vmap(t.env.get_obs)(block.env_state)
-        left = t.env.max_actions_per_traj - num_actions
+        left = t.env.max_actions_per_traj - num_actions + warned * (t.env.max_actions_per_traj + 1)
         state = jax.vmap(t.states.tokens)(obs, left)
         after = (t.after.ids[left], t.after.lengths[left])
         fixed = lambda p, i: (jnp.broadcast_to(p.ids[i], (rows, p.ids.shape[1])), jnp.full(rows, p.lengths[i]))
@@ -200,7 +201,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
     def turn_body(params, key, s: _Loop) -> _Loop:
         e = s.episode
         active = ~e.terminated
-        pieces = [segment(t, b, s.turn, s.ended[lo:hi], e.num_actions[lo:hi], active[lo:hi])
+        pieces = [segment(t, b, s.turn, s.ended[lo:hi], s.warned[lo:hi], e.num_actions[lo:hi], active[lo:hi])
                   for t, b, lo, hi in zip(tables, s.blocks, starts[:-1], starts[1:])]
         width = max(ids.shape[1] for ids, _ in pieces)
         seg = jnp.concatenate([jnp.pad(ids, ((0, 0), (0, width - ids.shape[1]))) for ids, _ in pieces])
@@ -213,12 +214,13 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         ids, length = _append(ids, length, out.tokens, out.lengths)
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.lengths - 1, 0)[:, None], axis=1)[:, 0]
         ended = jnp.where(active, last == eos, s.ended)
-        blocks, columns = [], []
+        blocks, columns, warned = [], [], []
         for t, b, lo, hi in zip(tables, s.blocks, starts[:-1], starts[1:]):
             left = t.env.max_actions_per_traj - e.num_actions[lo:hi]
             parsed = jax.vmap(lambda i, n, a: parse_tokens(t.parser, i, n, a))(out.tokens[lo:hi], out.lengths[lo:hi],
                                                                                 left)
             on = active[lo:hi]
+            warned.append(jnp.where(on, parsed.num_valid == 0, s.warned[lo:hi]))
             (state, count, total, _, done, success, valid, effective, stepped, rewards, raw_rewards,
              score) = _play_actions(t, b, parsed.action_ids, e.num_actions[lo:hi], e.step_rewards[lo:hi],
                                     e.step_raw_rewards[lo:hi], e.final_score[lo:hi], on)
@@ -236,7 +238,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                 truncated=jnp.where(done_now, ~success, e.truncated[lo:hi] | out_of_budget)))
         episode = e._replace(overflow=overflow, log_probs=log_probs, **{k: jnp.concatenate([c[k] for c in columns])
                                                    for k in columns[0]})
-        return _Loop(s.turn + 1, out.cache, ids, length, ended, tuple(blocks), episode)
+        return _Loop(s.turn + 1, out.cache, ids, length, ended, jnp.concatenate(warned), tuple(blocks), episode)
 
     def rollout(params, seeds, key) -> FusedEpisode:
         batch = seeds.shape[0]
@@ -255,7 +257,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                                jnp.full((batch, max_budget), jnp.nan, jnp.float32),
                                jnp.zeros((batch, settings.max_turn), jnp.float32), zeros, zeros, zeros, zeros, zeros,
                                false, false, jnp.full(batch, jnp.nan, jnp.float32), jnp.bool_(False))
-        state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), tuple(blocks), episode)
+        state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), false, tuple(blocks), episode)
         final = jax.lax.while_loop(lambda s: (s.turn < settings.max_turn) & jnp.any(~s.episode.terminated),
                                    lambda s: turn_body(params, key, s), state)
         ids, length = _append(final.ids, final.length, jnp.full((batch, 1), eos, jnp.int32),

@@ -91,7 +91,7 @@ class EnvTables(NamedTuple):
     prompt_head: Piece  # the chat through "State:\n" of Turn 1
     head: Piece  # after a turn-end token, through the user header
     turn: Piece  # "\nTurn k:\nState:\n" at index k
-    after: Piece  # "You have N actions left. …" through the forced tag, at index N
+    after: Piece  # "You have N actions left. …" through the forced tag, at index N (+ budget + 1: warned)
 
 
 def _split(text: str, part: str) -> tuple[str, str]:
@@ -100,9 +100,10 @@ def _split(text: str, part: str) -> tuple[str, str]:
 
 
 def _continuation_text(tokenizer, env, settings: RolloutSettings, reward: str, turn: int, state: str,
-                       actions_left: int) -> str:
+                       actions_left: int, warned: bool = False) -> str:
     answered = Turn("s", 1, "<think></think><answer></answer>", "Reward:\n0\n")
-    history = [answered] * (turn - 2) + [dataclasses.replace(answered, reward=reward), Turn(state, actions_left)]
+    history = [answered] * (turn - 2) + [dataclasses.replace(answered, reward=reward),
+                                         Turn(state, actions_left, invalid_action=warned)]
     slot = Slot(types.SimpleNamespace(max_tokens=env.max_tokens), 0, 0, env_prefix(env), history)
     return turn_continuation(tokenizer, slot, settings)
 
@@ -121,20 +122,20 @@ def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params
     states, obs = reset_states(env, params, NUM_CHECKED_STATES)
     state_texts = [env.render_text(states[0])]
     messages = lambda state: render_chat(env_prefix(env), [Turn(state, budget)], max_tokens=env.max_tokens,
-                                         enable_think=settings.enable_think)
+                                         enable_think=settings.enable_think, layout=settings.prompt_layout)
     prompt = render_text(tokenizer, messages(state_texts[0]), for_update=False, enable_think=settings.enable_think)
     prompt_head, _ = _split(prompt, state_texts[0] + "\n")
     reward0 = reward_texts[0]
 
-    def parts(turn, actions_left):
-        text = _continuation_text(tokenizer, env, settings, reward0, turn, state_texts[0], actions_left)
+    def parts(turn, actions_left, warned=False):
+        text = _continuation_text(tokenizer, env, settings, reward0, turn, state_texts[0], actions_left, warned)
         head, rest = _split(text, reward0)
         middle, after = _split(rest, state_texts[0] + "\n")
         return head, middle, after
 
     head = parts(2, budget)[0]
     turns = [""] * 2 + [parts(k, budget)[1] for k in range(2, max(settings.max_turn, 2) + 1)]
-    afters = [parts(2, n)[2] for n in range(budget + 1)]
+    afters = [parts(2, n, warned)[2] for warned in (False, True) for n in range(budget + 1)]
     renderer = env.state_renderer(tokenizer, params, budget)
     if hasattr(renderer, "fold_budget"):  # StateTexts: every state it holds, each carrying the budget piece
         obs, state_texts = renderer.obs, list(renderer.texts)
@@ -145,7 +146,7 @@ def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params
         rows = sorted({text: i for i, text in reversed(list(enumerate(texts)))}.values())
         obs, state_texts = obs[rows], [texts[i] for i in rows]
     tokens = jax.jit(jax.vmap(jax.vmap(renderer.tokens, (0, None)), (None, 0)))
-    ids, lengths = (np.asarray(x) for x in tokens(jnp.asarray(obs), jnp.arange(budget + 1)))
+    ids, lengths = (np.asarray(x) for x in tokens(jnp.asarray(obs), jnp.arange(len(afters))))
     state_piece = lambda s, n: [int(t) for t in ids[n, s, :lengths[n, s]]]
     tables = EnvTables(env, params, build_response_parser(tokenizer, env.action_names, settings.enable_think,
                                                           settings.max_actions_per_turn),
@@ -162,10 +163,11 @@ def _check_pieces(tokenizer, env, settings, tables: EnvTables, reward_texts, sta
     budget = env.max_actions_per_traj
     cases = [(r, 2, 0, budget) for r in range(len(reward_texts))]
     cases += [(0, k, s, budget) for k in range(2, settings.max_turn + 1) for s in range(len(state_texts))]
-    cases += [(0, 2, 0, n) for n in range(budget + 1)]
+    cases += [(0, 2, 0, n) for n in range(2 * (budget + 1))]  # n > budget: warned, budget n − budget − 1
     texts, expected = [], []
     for r, k, s, n in cases:
-        texts.append(_continuation_text(tokenizer, env, settings, reward_texts[r], k, state_texts[s], n))
+        left, warned = n % (budget + 1), n > budget
+        texts.append(_continuation_text(tokenizer, env, settings, reward_texts[r], k, state_texts[s], left, warned))
         expected.append(piece(tables.head, 0) + piece(tables.rewards.text, r) + piece(tables.turn, k)
                         + state_piece(s, n) + piece(tables.after, n))
     for s, state in enumerate(state_texts):

@@ -42,12 +42,18 @@ class RolloutSettings:
     bucket: int = 32
     max_context_window: int = -1
     use_turn_scores: bool = False
+    prompt_layout: str = "v1"
+
+
+def slot_chat(slot: Slot, settings: RolloutSettings, *, for_update: bool = False) -> list[dict[str, str]]:
+    """RAGEN's chat of ``slot``: its tag's ``max_tokens``, the settings' think format and prompt layout."""
+    return render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens, enable_think=settings.enable_think,
+                       for_update=for_update, layout=settings.prompt_layout)
 
 
 def turn_continuation(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
     """The prompt text after the last response's turn-end token: Reward, next Turn, generation prompt."""
-    messages = render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
-                           enable_think=settings.enable_think)
+    messages = slot_chat(slot, settings)
     full = render_text(tokenizer, messages, for_update=False, enable_think=settings.enable_think)
     through = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
     return full[through.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
@@ -55,8 +61,7 @@ def turn_continuation(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> 
 
 def training_tail(tokenizer: Any, slot: Slot, settings: RolloutSettings) -> str:
     """What the training text has after the final response's turn-end token (Qwen: ``"\\n"``)."""
-    text = render_text(tokenizer, render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
-                                              enable_think=settings.enable_think, for_update=True), for_update=True)
+    text = render_text(tokenizer, slot_chat(slot, settings, for_update=True), for_update=True)
     return text[text.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
 
 
@@ -70,9 +75,8 @@ def chat_ids(tokenizer: Any, slot: Slot, settings: RolloutSettings, *, for_updat
     encode = lambda messages: tokenizer.encode(render_text(tokenizer, messages, for_update=for_update,
                                                            enable_think=settings.enable_think),
                                                add_special_tokens=False)
-    messages = apply_max_length(render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
-                                            enable_think=settings.enable_think, for_update=for_update),
-                                lambda m: len(encode(m)), settings.max_model_len)
+    messages = apply_max_length(slot_chat(slot, settings, for_update=for_update), lambda m: len(encode(m)),
+                                settings.max_model_len)
     return encode(messages), sum(m["role"] == "assistant" for m in messages)
 
 
@@ -134,9 +138,9 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
                 prompts.append(cached[i])
             elif raw:
                 prompts.append(cached[i] + ([] if ended[i] or turn == 0 else [eos]) + tokenizer.encode(
-                    turn_continuation(tokenizer, slot, settings) if turn else render_text(tokenizer, render_chat(
-                        slot.prefix, slot.history, max_tokens=slot.env.max_tokens, enable_think=settings.enable_think),
-                        for_update=False, enable_think=settings.enable_think), add_special_tokens=False))
+                    turn_continuation(tokenizer, slot, settings) if turn else render_text(
+                        tokenizer, slot_chat(slot, settings), for_update=False, enable_think=settings.enable_think),
+                    add_special_tokens=False))
             else:
                 prompts.append(chat_ids(tokenizer, slot, settings, for_update=False)[0])
             reuse.append(min(common_prefix(cached[i], prompts[i]), len(prompts[i]) - active[i]))

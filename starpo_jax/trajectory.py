@@ -23,32 +23,62 @@ from envs.text import SYSTEM_PROMPT, turn_text
 class Turn:
     """One history entry: the state shown, the budget left, then the agent's response and reward.
 
-    The last entry of a finished rollout holds only the state after the final action.
+    The last entry of a finished rollout holds only the state after the final action. ``invalid_action``:
+    the turn before executed no valid action (RAGEN-2's ``manager_invalid_action`` on this entry).
     """
 
     state: str | None
     actions_left: int
     llm_response: str | None = None
     reward: str | None = None
+    invalid_action: bool = False
+
+
+# ``agent_proxy.prompt_layout``: v1 puts the environment prefix in the first user message (starpo.md §4), v2 in
+# the system message, with the invalid-action warning in generation prompts (ragen2.md §6.6).
+PROMPT_LAYOUTS = ("v1", "v2")
+# RAGEN-2's ``agent_proxy.context_window_mode`` (ragen2.md §6.7); the per-turn modes are not implemented.
+CONTEXT_WINDOW_MODES = ("full", "limited_multi_turn", "single_turn")
+
+
+def validate_prompt_keys(prompt_layout: str, context_window_mode: str) -> None:
+    """Raises naming the key for an unknown layout or mode, and for a per-turn mode (refused, not ignored)."""
+    if prompt_layout not in PROMPT_LAYOUTS:
+        raise ValueError(f"agent_proxy.prompt_layout must be one of {PROMPT_LAYOUTS}, got {prompt_layout!r}")
+    if context_window_mode not in CONTEXT_WINDOW_MODES:
+        raise ValueError(f"agent_proxy.context_window_mode must be one of {CONTEXT_WINDOW_MODES}, "
+                         f"got {context_window_mode!r}")
+    if context_window_mode != "full":
+        raise ValueError(f"agent_proxy.context_window_mode={context_window_mode} (one training sample per turn, "
+                         f"with episode ids for the filter and GRPO) is not implemented by either rollout driver; "
+                         f"use full (one sequence per trajectory; agent_proxy.max_context_window keeps the last k "
+                         f"turns in it, as RAGEN V1 HEAD)")
 
 
 def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, enable_think: bool = True,
-                for_update: bool = False) -> list[dict[str, str]]:
+                for_update: bool = False, layout: str = "v1") -> list[dict[str, str]]:
     """Chat messages of one trajectory (RAGEN ``get_lm_inputs``).
 
     Args:
-      prefix: the first user message (``envs.text.env_prefix``).
+      prefix: the environment prefix (``envs.text.env_prefix``).
       history: the turns so far.
       max_tokens: the "Max response length" announced in each state block.
       enable_think: ``<think>…</think><answer>…</answer>`` format (else ``<answer>`` only).
       for_update: training form: drop the final state-only entry and the last Reward message.
+      layout: ``v1``: the prefix opens the first user message; ``v2``: it follows the system prompt, the first
+        user message starts empty, and generation prompts warn after a turn with no valid action.
     """
+    validate_prompt_keys(layout, "full")
     entries = list(history)
     if for_update and entries and entries[-1].llm_response is None:
         entries = entries[:-1]
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prefix}]
+    v2 = layout == "v2"
+    messages = [{"role": "system", "content": SYSTEM_PROMPT + (prefix if v2 else "")},
+                {"role": "user", "content": "" if v2 else prefix}]
     for index, turn in enumerate(entries):
-        messages[-1]["content"] += turn_text(index + 1, turn.state, turn.actions_left, max_tokens, enable_think)
+        warning = v2 and not for_update and turn.invalid_action
+        messages[-1]["content"] += turn_text(index + 1, turn.state, turn.actions_left, max_tokens, enable_think,
+                                             warning)
         if turn.llm_response is not None:
             messages.append({"role": "assistant", "content": turn.llm_response})
         if turn.reward is not None and not (for_update and index == len(entries) - 1):

@@ -30,11 +30,10 @@ from starpo_jax.env_manager import Slot
 from starpo_jax.models.hf_io import load_pretrained, resolve_folder
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.presets import PRESETS, load_config
-from starpo_jax.rollout import host_rollout
+from starpo_jax.rollout import host_rollout, slot_chat
 from starpo_jax.rollout_drivers import make_slots, rollout_settings
 from starpo_jax.sampler import SamplerConfig, make_sampler
 from starpo_jax.tokenizer import chat_prompt, encode_left_padded, load_tokenizer, require_chat_template
-from starpo_jax.trajectory import render_chat
 
 
 class Policy:
@@ -67,8 +66,7 @@ def play_episode(policy: Policy, config: StarPOConfig, tag: str, seed: int, key:
 
 def episode_messages(slot: Slot, config: StarPOConfig) -> list[dict[str, str]]:
     """The played episode as RAGEN's chat: system, the instruction and states, responses, rewards."""
-    return render_chat(slot.prefix, slot.history, max_tokens=slot.env.max_tokens,
-                       enable_think=config.agent_proxy.enable_think)
+    return slot_chat(slot, rollout_settings(config))
 
 
 def reply(policy: Policy, messages: Sequence[dict[str, str]], key: jax.Array) -> str:

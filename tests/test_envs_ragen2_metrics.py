@@ -6,35 +6,13 @@ import numpy as np
 import pytest
 
 import envs
+from bench.env_peers import Peer2048
 from envs.game_2048 import Game2048State
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot, run_turn, slot_metrics
 from starpo_jax.trainer import env_metrics
 
 START = [[2, 2, 4, 8], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
 TURNS = [["Up"], ["Left", "Left"], ["Down"]]  # Up moves nothing: raw reward -0.1, no spawn
-
-
-def slide_left(row):
-    """One 2048 row slid left: (new row, merge sum), tiles merging once each, from the front."""
-    values, out, merged, k = [v for v in row if v], [], 0, 0
-    while k < len(values):
-        if k + 1 < len(values) and values[k] == values[k + 1]:
-            out.append(2 * values[k])
-            merged += 2 * values[k]
-            k += 2
-        else:
-            out.append(values[k])
-            k += 1
-    return out + [0] * (len(row) - len(out)), merged
-
-
-def move(grid, name):
-    """NumPy 2048 move: (moved, merge sum); Up/Down/Right are Left on a rotated grid."""
-    turns = {"Left": 0, "Up": 1, "Right": 2, "Down": 3}[name]
-    rotated = np.rot90(np.asarray(grid), turns)
-    rows = [slide_left(list(r)) for r in rotated]
-    new = np.asarray([r for r, _ in rows])
-    return not np.array_equal(new, rotated), sum(m for _, m in rows)
 
 
 class Recorded(GymnaxHostEnv):
@@ -57,8 +35,8 @@ def played():
         run_turn(slot, "r", actions)
     names = [name for actions in TURNS for name in actions]
     raws = []
-    for grid, name in zip(env.grids, names):
-        moved, merged = move(grid, name)
+    for grid, name in zip(env.grids, names):  # the NumPy peer's move of the recorded grid
+        _, merged, moved = Peer2048()._move(grid, env.action_names.index(name))
         raws.append(float(merged) if moved else float(np.float32(-0.1)))
     return slot, env, raws, env.infos
 

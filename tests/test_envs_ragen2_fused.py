@@ -11,6 +11,7 @@ from envs.text import env_prefix
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
 from starpo_jax.models.kv_cache import init_cache
+from starpo_jax.presets import load_config
 from starpo_jax.rollout import RolloutSettings, host_rollout
 from starpo_jax.sampler import make_sampler
 from starpo_jax.trajectory import render_chat
@@ -65,3 +66,13 @@ def test_coordinate_observations_and_v2_bandit_are_host_only(setup):
     for tag in ("CoordFrozenLake", "Bandit"):
         with pytest.raises(ValueError, match=f"{tag}.*rollout_driver=host"):
             build_env_tables(envs.make(tag, envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)
+
+
+def test_a_config_override_of_max_tokens_reaches_the_fused_tables(setup):
+    """``custom_envs.<Tag>.max_tokens`` (RAGEN-2's per-tag announced response limit) through the config path."""
+    config = load_config("v2-2048-starpo-s-ppo", ["custom_envs.game_2048.max_tokens=37"])
+    settings = dataclasses.replace(SETTINGS, max_turn=2)
+    tables = build_env_tables(envs.make("game_2048", config.custom_envs), setup["tokenizer"], settings)
+    after = [setup["tokenizer"].decode(row[:n]) for row, n in zip(np.asarray(tables.after.ids),
+                                                                  np.asarray(tables.after.lengths))]
+    assert all("Max response length: 37 words (tokens)." in text for text in after)

@@ -4,7 +4,7 @@ Each turn, inside one ``lax.while_loop``, builds every active row's next segment
 pre-tokenized pieces, decodes it with ``starpo_jax.sampler`` (the KV cache kept across
 turns), parses the generated ids on device (``envs.tokens.parse_tokens``), steps the
 vmapped environments with RAGEN's rules (``starpo_jax.env_manager.run_turn``) and keeps
-the counters the host driver keeps in its slots.
+the counters the host driver keeps in its slots, RAGEN-2's episode metrics (``slot_metrics``) included.
 
 The trajectory is the exact id sequence the decoder saw (``train_on_sampled_ids``,
 starpo.md §22.10): generated ids are never re-tokenized. The fed text is cut into pieces at

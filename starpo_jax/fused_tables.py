@@ -2,7 +2,9 @@
 
 The fed text is cut into pieces at the variable parts — the chat up to the first state, the
 turn-end and user header up to ``Reward:\\n{total}\\n``, ``\\nTurn k:\\nState:\\n``, the state, ``You
-have N actions left…`` through the forced ``<think>`` — and each piece is tokenized on its own.
+have N actions left…`` through the forced ``<think>`` (each budget N once plain and once after RAGEN-2's
+invalid-action warning, which ``prompt_layout=v2`` shows after a turn with no valid action) — and each piece
+is tokenized on its own.
 What an environment contributes comes through ``envs.base.TextEnvironment``'s interface:
 ``step_reward_values`` (the reward automaton's alphabet) and ``state_renderer`` (its states on
 device). The host driver tokenizes each fed text whole, so ``build_env_tables`` checks, for every

@@ -128,6 +128,8 @@ class RolloutConfig:
     rollout_filter_selection_eps: float = 0.01
     rollout_filter_metric: str = "reward_variance"
     rollout_filter_empty_stop_steps: int = 5
+    gradient_analysis_num_buckets: int = 6  # RAGEN-2's gradient analysis (trainer.gradient_analysis_mode)
+    gradient_analysis_bucket_mode: Literal["quantile", "fixed_rv"] = "quantile"
     val_kwargs: ValKwargs = ValKwargs()
 
 
@@ -202,6 +204,10 @@ class TrainerConfig:
     # RAGEN-2's hard-coded early stops (ragen2.md §4.8, §12.11), here switches (on in the v2 presets).
     early_stop_reward_variance_collapse: bool = False
     early_stop_low_validation_success: bool = False
+    # RAGEN-2's gradient analysis (starpo_jax.gradient_analysis): per-bucket component gradient norms at steps
+    # 1, 1 + every, … before the actor update, without an optimizer step.
+    gradient_analysis_mode: bool = False
+    gradient_analysis_every: int = 50
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,17 @@ def _validate_ragen2(config: StarPOConfig) -> None:
              "(V1's GRPO sees groups of one after the context manager's normalisation)")
     _require(not algorithm.soft_advantage_reweight or (v2 and algorithm.adv_estimator == "grpo"),
              "algorithm.soft_advantage_reweight needs RAGEN-2's GRPO: algorithm.adv_estimator=grpo and ragen_version=v2")
+    rollout, trainer = config.actor_rollout_ref.rollout, config.trainer
+    _require(trainer.gradient_analysis_every >= 1, f"trainer.gradient_analysis_every must be >= 1, "
+                                                   f"got {trainer.gradient_analysis_every}")
+    _require(rollout.gradient_analysis_num_buckets >= 1, "actor_rollout_ref.rollout.gradient_analysis_num_buckets "
+                                                         f"must be >= 1, got {rollout.gradient_analysis_num_buckets}")
+    default = type(rollout)()
+    unused = [f"actor_rollout_ref.rollout.{k}" for k in ("gradient_analysis_num_buckets", "gradient_analysis_bucket_mode")
+              if getattr(rollout, k) != getattr(default, k)]
+    unused += ["trainer.gradient_analysis_every"] if trainer.gradient_analysis_every != 50 else []
+    _require(trainer.gradient_analysis_mode or not unused, f"{', '.join(unused)} shape(s) the gradient analysis: "
+                                                           f"set trainer.gradient_analysis_mode=True")
     collapse = config.collapse_detection
     _require(not collapse.enabled or config.agent_proxy.enable_think,
              "collapse_detection.first_turn_enabled / multi_turn_enabled score the <think> reasoning: they need "

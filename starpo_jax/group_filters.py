@@ -42,11 +42,20 @@ class FilterInputs(NamedTuple):
 
 
 class FilteredRows(NamedTuple):
-    """Rows of the full batch to train on (with repeats after ``copy``), their loss weight and the metrics."""
+    """Rows of the full batch to train on (with repeats after ``copy``), their loss weight, the metrics and each
+    row's pre-filter group std of the ranked reward (RAGEN-2's ``reward_std`` field, read by gradient analysis)."""
 
     rows: np.ndarray
     sample_mask: np.ndarray
     metrics: dict[str, float]
+    reward_std: np.ndarray
+
+
+def _row_std(rewards: np.ndarray, groups: Any, rows: np.ndarray) -> np.ndarray:
+    """The unbiased std of each row's group (0 for groups of one), for ``rows``."""
+    grouped = np.asarray(rewards, np.float64).reshape(groups.env_groups, groups.group_size)
+    std = grouped.std(axis=1, ddof=1) if groups.group_size > 1 else np.zeros(groups.env_groups)
+    return np.repeat(std, groups.group_size)[rows]
 
 
 ROLLOUT_FILTERS: Registry[Callable[[FilterInputs, Any, int], FilteredRows]] = Registry(
@@ -63,7 +72,8 @@ def starpo_s_filter(inputs: FilterInputs, config: Any, step: int) -> FilteredRow
     count = len(kept.group_indices)
     metrics = {k: float(v) for k, v in kept.metrics.items()}
     metrics |= {"rollout/filter_kept_count": float(count), "rollout/filter_kept_ratio": count / groups.env_groups}
-    return FilteredRows(np.asarray(kept.sample_indices), np.asarray(kept.sample_mask), metrics)
+    rows = np.asarray(kept.sample_indices)
+    return FilteredRows(rows, np.asarray(kept.sample_mask), metrics, _row_std(inputs.raw, groups, rows))
 
 
 def snr_config(rollout: Any) -> SnrFilterConfig:
@@ -95,7 +105,7 @@ def snr_filter(inputs: FilterInputs, config: Any, step: int) -> FilteredRows:
     rows = np.flatnonzero(selection.row_mask)
     rng = np.random.default_rng([config.seed.train, step])
     rows = adjust_batch_size(rows, batch_divisor(config), config.agent_proxy.batch_adjust_mode, rng)
-    return FilteredRows(rows, np.ones(len(rows), np.float32), selection.metrics)
+    return FilteredRows(rows, np.ones(len(rows), np.float32), selection.metrics, selection.reward_std[rows])
 
 
 for _strategy in STRATEGIES:

@@ -35,11 +35,12 @@ def test_snr_filter_keeps_the_top_group_and_copies_rows_up_to_the_divisor():
     traj = trajectory()
     config = load_config("starpo-s-grpo", BASE + (V2_FILTER + "top_k_abs", "actor_rollout_ref.rollout.rollout_filter_value=1",
                                                   "ragen_version=v2", "agent_proxy.reward_normalization.method=identity"))
-    kept, normalized, metrics = select_groups(traj, config, 1)
+    kept, normalized, metrics, reward_std = select_groups(traj, config, 1)
     best = int(np.argmax(group_std(traj)))
     # one group of 4 rows, copied up to lcm(env_groups 4, mini-batch 8) = 8 rows, all from the kept group
     np.testing.assert_array_equal(kept.group_ids, [best] * 8)
     assert metrics["rollout/filter_kept_count"] == 1 and metrics["rollout/filter_kept_ratio"] == 0.25
+    np.testing.assert_allclose(reward_std, np.full(8, group_std(traj)[best]), rtol=1e-6)  # pre-filter, per row
     np.testing.assert_allclose(metrics["rollout/in_group_reward_std"], group_std(traj).mean(), rtol=1e-6)
     np.testing.assert_allclose(normalized[:GROUP_SIZE], (traj.scores + traj.penalty)[best * GROUP_SIZE:][:GROUP_SIZE])
     delete = load_config("starpo-s-grpo", BASE + (V2_FILTER + "top_k_abs", "actor_rollout_ref.rollout.rollout_filter_value=1",

@@ -24,7 +24,8 @@ def resumable_loop(step_fn: Callable[[Any, int], tuple[Any, Mapping[str, Any]]],
                    num_steps: int, checkpoint_fn: Callable[[int, Any], None] | None, *, writer: MetricWriter,
                    guard: NonFiniteGuard, preemption: PreemptionHandler, save_every: int = 0,
                    checkpoint_dir: Path | None = None, description: str = "", bar_keys: tuple[str, ...] = (),
-                   on_row: Callable[[int, dict[str, float]], None] | None = None) -> tuple[Any, dict[str, float]]:
+                   on_row: Callable[[int, dict[str, float]], None] | None = None,
+                   stop_after: Callable[[], bool] | None = None) -> tuple[Any, dict[str, float]]:
     """Runs ``state, metrics = step_fn(state, i)`` for ``i`` in ``[start, num_steps)``; returns the state and last row.
 
     Args:
@@ -35,6 +36,7 @@ def resumable_loop(step_fn: Callable[[Any, int], tuple[Any, Mapping[str, Any]]],
       save_every: checkpoint cadence in steps; ``<= 0``: only at the last step and on a stop.
       checkpoint_dir: named in the log and the stop message.
       on_row: called with ``(i + 1, row)`` after the row is written.
+      stop_after: asked after each step; ``True`` ends the run there, after a checkpoint (early stopping).
     """
     last: dict[str, float] = {}
     with ProgressBar(num_steps, description, keys=bar_keys, start=start) as bar:
@@ -46,8 +48,9 @@ def resumable_loop(step_fn: Callable[[Any, int], tuple[Any, Mapping[str, Any]]],
                 on_row(done, last)
             bar.update(done, last)
             stop = preemption.requested()  # asked once: a signal between two asks would skip the save
+            early = stop_after is not None and stop_after()
             cadence = save_every > 0 and done % save_every == 0
-            due = checkpoint_fn is not None and (stop or done == num_steps or cadence)
+            due = checkpoint_fn is not None and (stop or early or done == num_steps or cadence)
             if due:
                 checkpoint_fn(done, state)
             try:
@@ -61,4 +64,7 @@ def resumable_loop(step_fn: Callable[[Any, int], tuple[Any, Mapping[str, Any]]],
             if stop:
                 raise preemption.stop(f"saved checkpoint {done} in {checkpoint_dir}" if checkpoint_fn is not None
                                       else f"stopped after step {done} (checkpoints are off: nothing saved)")
+            if early:
+                log.warning("early stop after step %d", done)
+                break
     return state, last

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from runtime.registry import Registry
 from starpo_jax.losses import kl_penalty
 from starpo_jax.masked import masked_mean, masked_whiten
+from starpo_jax.snr_filter import filter_loss_scale, soft_reweight
 
 
 class AdvantageReturn(NamedTuple):
@@ -110,18 +111,23 @@ def compute_grpo_group_advantage(token_level_rewards: jax.Array, loss_mask: jax.
     may be any integers (they are renumbered inside), so filtered and duplicated rows work.
     """
     scores = jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1)
+    mean, std = grpo_group_statistics(scores, group_ids)
+    centred = scores - mean
+    advantage = centred / (std + epsilon) if norm_adv_by_std else centred
+    advantages = advantage[:, None] * loss_mask
+    return AdvantageReturn(advantages, advantages)
+
+
+def grpo_group_statistics(scores: jax.Array, group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's group mean and unbiased std of ``scores`` (0 and 1 for a group of one, as RAGEN-2's GRPO)."""
     rows = scores.shape[0]
     _, groups = jnp.unique(jnp.asarray(group_ids), return_inverse=True, size=rows)
     groups = groups.reshape(-1)
     counts = jax.ops.segment_sum(jnp.ones_like(scores), groups, rows)
     mean = jax.ops.segment_sum(scores, groups, rows) / jnp.maximum(counts, 1.0)
-    centred = scores - mean[groups]
-    std = jnp.sqrt(jax.ops.segment_sum(centred ** 2, groups, rows) / jnp.maximum(counts - 1.0, 1.0))
+    std = jnp.sqrt(jax.ops.segment_sum((scores - mean[groups]) ** 2, groups, rows) / jnp.maximum(counts - 1.0, 1.0))
     single = counts[groups] == 1
-    centred = jnp.where(single, scores, centred)
-    advantage = centred / (jnp.where(single, 1.0, std[groups]) + epsilon) if norm_adv_by_std else centred
-    advantages = advantage[:, None] * loss_mask
-    return AdvantageReturn(advantages, advantages)
+    return jnp.where(single, 0.0, mean[groups]), jnp.where(single, 1.0, std[groups])
 
 
 def weight_advantages_by_length(advantages: jax.Array, loss_mask: jax.Array) -> jax.Array:
@@ -245,16 +251,41 @@ def gae_advantages(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:
         return compute_bi_level_gae_advantage_return(inputs.token_level_rewards, inputs.values, inputs.loss_mask,
                                                      algorithm.gamma, algorithm.lam, algorithm.high_level_gamma)
     return compute_gae_advantage_return(inputs.token_level_rewards, inputs.values, inputs.loss_mask,
-                                        algorithm.gamma, algorithm.lam)
+                                        algorithm.gamma, algorithm.lam, skip_non_response=config.ragen_version == "v2")
 
 
 @advantage_estimator("grpo")
 def grpo_advantages(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:
-    """The normalised score broadcast, divided by the relative length with ``grpo_advantage_length_weight``."""
-    out = compute_grpo_outcome_advantage(inputs.token_level_rewards, inputs.loss_mask)
+    """GRPO: V1 broadcasts the context manager's normalised score; V2 normalises per initial-state group here
+    (Dr. GRPO without ``algorithm.norm_adv_by_std_in_grpo``); then divided by the relative length with
+    ``grpo_advantage_length_weight``."""
+    if config.ragen_version == "v2":
+        out = compute_grpo_group_advantage(inputs.token_level_rewards, inputs.loss_mask, inputs.group_ids,
+                                           config.algorithm.norm_adv_by_std_in_grpo)
+    else:
+        out = compute_grpo_outcome_advantage(inputs.token_level_rewards, inputs.loss_mask)
     if config.grpo_advantage_length_weight:
         out = out._replace(advantages=weight_advantages_by_length(out.advantages, inputs.loss_mask))
     return out
+
+
+def scale_advantages(adv: AdvantageReturn, token_level_rewards: jax.Array, group_ids: jax.Array, config: Any,
+                     kept_ratio: float) -> tuple[AdvantageReturn, dict[str, jax.Array]]:
+    """RAGEN-2's advantage factors after the estimator (ragen2.md §4.6-§4.7); value targets are unchanged.
+
+    ``algorithm.soft_advantage_reweight``: ``A ← σ_g / (max σ + 1e-6) · A`` with each row's GRPO group std;
+    then ``actor.filter_loss_scaling``: ``A ← ρ · A`` (``linear``) or ``√ρ · A`` (``sqrt``), ``ρ`` the kept
+    fraction of groups.
+    """
+    advantages, metrics = adv.advantages, {}
+    if config.algorithm.soft_advantage_reweight:
+        _, std = grpo_group_statistics(jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1), group_ids)
+        weights = soft_reweight(std)
+        advantages = advantages * weights[:, None]
+        metrics = {"train/soft_reweight_min": jnp.min(weights), "train/soft_reweight_max": jnp.max(weights),
+                   "train/soft_reweight_mean": jnp.mean(weights)}
+    scale = filter_loss_scale(config.actor_rollout_ref.actor.filter_loss_scaling, kept_ratio)
+    return adv._replace(advantages=advantages * scale), metrics
 
 
 def compute_advantage(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:

@@ -16,7 +16,6 @@ run's seed and the step instead of NumPy's global state (ragen2.md §3.9).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -26,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from starpo_jax.collapse_config import CollapseDetectionConfig
 from starpo_jax.collapse_metrics import MarginalStdEma, pair_metrics
 from starpo_jax.collapse_scoring import make_cross_log_probs
 from starpo_jax.models.config import TransformerConfig
@@ -36,45 +36,6 @@ THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 STRIPPED = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
 FIRST_TURN, TRAJECTORY = "collapse_first_turn_sample", "collapse_trajectory_sample"
 ROW_BUCKET, PROMPT_BUCKET, REASONING_BUCKET = 8, 64, 16
-
-
-@dataclasses.dataclass(frozen=True)
-class CollapseDetectionConfig:
-    """RAGEN-2's ``collapse_detection.*`` keys (``config/base.yaml`` values; ragen2.md §3.2).
-
-    RAGEN-2's ``micro_batch_size`` only chunks how its cross batch is built and does not change the result;
-    here the whole cross matrix is one program, so the key has no counterpart.
-
-    Attributes:
-      enabled: run the detector at all (ours; RAGEN-2 runs it when either family is enabled).
-      compute_freq: steps 1, ``compute_freq``, ``2·compute_freq``, …
-      first_turn_enabled, multi_turn_enabled: the two sample-set families.
-      num_samples: pairs per family (an int > 0, or ``"all"``).
-      std_eps: the z-score denominator's epsilon.
-      ema_decay: decay of the marginal-std EMA.
-    """
-
-    enabled: bool = False
-    compute_freq: int = 5
-    first_turn_enabled: bool = True
-    multi_turn_enabled: bool = True
-    num_samples: int | str = 64
-    std_eps: float = 1e-3
-    ema_decay: float = 0.9
-
-    def __post_init__(self):
-        if self.num_samples != "all" and (isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int)
-                                          or self.num_samples <= 0):
-            raise ValueError(f"collapse_detection.num_samples must be a positive integer or 'all', "
-                             f"got {self.num_samples!r}")
-        if self.compute_freq < 1:
-            raise ValueError(f"collapse_detection.compute_freq must be >= 1, got {self.compute_freq}")
-
-    def should_compute(self, step: int) -> bool:
-        """RAGEN-2's cadence: never at step 0, always at step 1, then every ``compute_freq`` steps."""
-        if not (self.enabled and (self.first_turn_enabled or self.multi_turn_enabled)) or step == 0:
-            return False
-        return step == 1 or step % self.compute_freq == 0
 
 
 class TurnPair(NamedTuple):

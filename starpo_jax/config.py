@@ -24,6 +24,7 @@ import tyro
 from envs.registry import CUSTOM_ENVS, EnvEntry
 from runtime.wandb_logger import LOGGERS
 from starpo_jax.advantages import ADVANTAGE_ESTIMATORS
+from starpo_jax.collapse_config import CollapseDetectionConfig
 from starpo_jax.scores import GROUPINGS
 
 
@@ -89,6 +90,7 @@ class ActorConfig:
     loss_agg_mode: str = "seq-mean-token-mean"
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     grad_clip: float = 1.0
+    filter_loss_scaling: Literal["none", "linear", "sqrt"] = "none"  # RAGEN-2: advantages × 1, ρ or √ρ (kept ratio)
     optim: OptimConfig = OptimConfig(lr=1e-6)
 
 
@@ -102,7 +104,14 @@ class ValKwargs:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """``actor_rollout_ref.rollout``: sampling, length limits and the StarPO-S filter."""
+    """``actor_rollout_ref.rollout``: sampling, length limits and the rollout filter.
+
+    ``rollout_filter_strategy`` names a ``starpo_jax.group_filters.ROLLOUT_FILTERS`` entry: ``starpo_s`` (the
+    paper's fixed top ``rollout_filter_ratio`` of groups by reward std, ``rollout_filter_type`` ``std`` /
+    ``std_rev``) or RAGEN-2's SNR-aware ``top_p`` / ``top_k`` / ``top_k_abs`` / ``min_p`` (ragen2.md §4.2,
+    ``rollout_filter_value`` …, ``rollout_filter_type`` ``largest`` / ``smallest``). Keys of the other family
+    must stay at their defaults.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -112,6 +121,15 @@ class RolloutConfig:
     rollout_filter_ratio: float = 0.25
     rollout_filter_type: str = "std"
     rollout_filter_drop_zero_std: bool = False
+    rollout_filter_strategy: str = "starpo_s"
+    rollout_filter_value: float = 1.0
+    rollout_filter_include_zero: bool = True
+    rollout_filter_top_p_prob_mode: Literal["linear", "softmax"] = "linear"
+    rollout_filter_selection_eps: float = 0.01
+    rollout_filter_metric: str = "reward_variance"
+    rollout_filter_empty_stop_steps: int = 5
+    gradient_analysis_num_buckets: int = 6  # RAGEN-2's gradient analysis (trainer.gradient_analysis_mode)
+    gradient_analysis_bucket_mode: Literal["quantile", "fixed_rv"] = "quantile"
     val_kwargs: ValKwargs = ValKwargs()
 
 
@@ -165,6 +183,8 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KlCtrlConfig = KlCtrlConfig()
     use_kl_in_reward: bool = False
+    norm_adv_by_std_in_grpo: bool = True  # RAGEN-2 (ragen_version=v2): False is Dr. GRPO, A = R − mean
+    soft_advantage_reweight: bool = False  # RAGEN-2, GRPO: advantages × σ_g / max σ
 
 
 @dataclass(frozen=True)
@@ -181,6 +201,13 @@ class TrainerConfig:
     critic_warmup: int = 0
     max_consecutive_non_finite: int = 5  # stop (after saving) when this many updates in a row were skipped
     logger: tuple[Literal[LOGGERS], ...] = ("console",)  # RAGEN's [console,wandb]; wandb is optional
+    # RAGEN-2's hard-coded early stops (ragen2.md §4.8, §12.11), here switches (on in the v2 presets).
+    early_stop_reward_variance_collapse: bool = False
+    early_stop_low_validation_success: bool = False
+    # RAGEN-2's gradient analysis (starpo_jax.gradient_analysis): per-bucket component gradient norms at steps
+    # 1, 1 + every, … before the actor update, without an optimizer step.
+    gradient_analysis_mode: bool = False
+    gradient_analysis_every: int = 50
 
 
 @dataclass(frozen=True)
@@ -203,6 +230,7 @@ class AgentProxyConfig:
     # prefix in the first user message; v2 = in the system message, plus the invalid-action warning when sampling.
     prompt_layout: str = "v1"
     context_window_mode: str = "full"  # RAGEN-2's key; only full is implemented (the per-turn modes are refused)
+    batch_adjust_mode: Literal["copy", "delete"] = "copy"  # RAGEN-2: a filtered batch to a multiple of the divisor
 
 
 @dataclass(frozen=True)
@@ -229,8 +257,15 @@ class EsManagerConfig:
 
 @dataclass(frozen=True)
 class StarPOConfig:
-    """Top level of RAGEN's ``base.yaml`` plus the switches of starpo.md §22.3, §22.10."""
+    """Top level of RAGEN's ``base.yaml`` plus the switches of starpo.md §22.3, §22.10.
 
+    ``ragen_version`` selects the semantics RAGEN-2 changed without a key of its own (ragen2.md §2): ``v2``
+    runs GRPO per initial-state group in the trainer (``algorithm.norm_adv_by_std_in_grpo``) and GAE's
+    recursion over response positions only. The ``v2`` presets (``starpo_jax.ragen2_presets``) set it together
+    with RAGEN-2's defaults.
+    """
+
+    ragen_version: Literal["v1", "v2"] = "v1"
     model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     micro_batch_size_per_gpu: int = 4
     ppo_mini_batch_size: int = 32
@@ -252,6 +287,7 @@ class StarPOConfig:
     trainer: TrainerConfig = TrainerConfig()
     agent_proxy: AgentProxyConfig = AgentProxyConfig()
     es_manager: EsManagerConfig = EsManagerConfig()
+    collapse_detection: CollapseDetectionConfig = CollapseDetectionConfig()
     # Parsed apart from the tree (``starpo_jax.custom_envs``): its tags are the user's to name.
     custom_envs: Annotated[Mapping[str, EnvEntry], tyro.conf.Suppress] = dataclasses.field(
         default_factory=lambda: dict(CUSTOM_ENVS))

@@ -16,6 +16,9 @@ from starpo_jax.config_keys import check_refused, lora_targets, validate_optim
 from starpo_jax.config_types import check_types
 from starpo_jax.custom_envs import validate_custom_envs
 from starpo_jax.filtering import FILTER_TYPES, num_kept_groups
+from starpo_jax.group_filters import REWARD_METRICS, ROLLOUT_FILTERS, V1_FILTER_TYPES, snr_config
+from starpo_jax.snr_filter import FILTER_TYPES as SNR_FILTER_TYPES
+from starpo_jax.steps import learning_rate
 from starpo_jax.losses import CRITIC_LOSSES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from starpo_jax.scores import NORMALIZATION_METHODS
 from starpo_jax.trajectory import validate_prompt_keys
@@ -39,7 +42,8 @@ def _validate_env_groups(groups: EnvGroupsConfig, path: str) -> None:
 def _validate_batches(config: StarPOConfig) -> None:
     train = config.es_manager.train
     rollout = config.actor_rollout_ref.rollout
-    ratio = rollout.rollout_filter_ratio
+    adaptive = rollout.rollout_filter_strategy != "starpo_s"  # RAGEN-2's filters adjust the kept rows themselves
+    ratio = 1.0 if adaptive else rollout.rollout_filter_ratio
     _require(0.0 < ratio <= 1.0, f"actor_rollout_ref.rollout.rollout_filter_ratio must be in (0, 1], got {ratio}")
     _require(ratio == 1.0 or train.group_size >= 2,
              f"es_manager.train.group_size must be >= 2 to filter groups by reward std, got {train.group_size}")
@@ -76,8 +80,8 @@ def _validate_names(config: StarPOConfig) -> None:
             (LOSS_AGG_MODES, "critic.loss_agg_mode", config.critic.loss_agg_mode),
             (POLICY_LOSSES, "actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode),
             (CRITIC_LOSSES, "critic.loss_mode", config.critic.loss_mode),
-            (FILTER_TYPES, "actor_rollout_ref.rollout.rollout_filter_type",
-             config.actor_rollout_ref.rollout.rollout_filter_type),
+            (ROLLOUT_FILTERS, "actor_rollout_ref.rollout.rollout_filter_strategy",
+             config.actor_rollout_ref.rollout.rollout_filter_strategy),
             (NORMALIZATION_METHODS, "agent_proxy.reward_normalization.method",
              config.agent_proxy.reward_normalization.method),
             (ROLLOUT_DRIVERS, "agent_proxy.rollout_driver", config.agent_proxy.rollout_driver)):
@@ -139,6 +143,69 @@ def _validate_rollout(config: StarPOConfig) -> None:
              "sampled id sequence: set train_on_sampled_ids=False")
 
 
+STARPO_S_ONLY = ("rollout_filter_ratio", "rollout_filter_drop_zero_std")
+SNR_ONLY = ("rollout_filter_value", "rollout_filter_include_zero", "rollout_filter_top_p_prob_mode",
+            "rollout_filter_selection_eps", "rollout_filter_metric", "rollout_filter_empty_stop_steps")
+
+
+def _validate_filter(config: StarPOConfig) -> None:
+    """The keys of the selected filter family; those of the other family must stay at their defaults."""
+    rollout, path = config.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    default = type(rollout)()
+    strategy = rollout.rollout_filter_strategy
+    starpo_s = strategy == "starpo_s"
+    for name in SNR_ONLY if starpo_s else STARPO_S_ONLY:
+        _require(getattr(rollout, name) == getattr(default, name),
+                 f"{path}.{name} does not apply to {path}.rollout_filter_strategy={strategy} (leave it at "
+                 f"{getattr(default, name)!r}; {'RAGEN-2' if starpo_s else 'StarPO-S'} strategies use it)")
+    adjust = config.agent_proxy.batch_adjust_mode
+    _require(not starpo_s or adjust == "copy", f"agent_proxy.batch_adjust_mode={adjust!r} applies to RAGEN-2's "
+                                               f"adaptive filters; StarPO-S keeps a fixed number of rows")
+    if starpo_s:
+        FILTER_TYPES.check(rollout.rollout_filter_type, f"{path}.rollout_filter_type")
+    else:
+        allowed = SNR_FILTER_TYPES + tuple(V1_FILTER_TYPES)
+        _require(rollout.rollout_filter_type in allowed,
+                 f"{path}.rollout_filter_type must be one of {allowed} for {strategy}, got {rollout.rollout_filter_type!r}")
+        metric = snr_config(rollout).metric  # raises naming the key on a bad strategy, value or metric
+        _require(not metric.startswith("entropy"), f"{path}.rollout_filter_metric={rollout.rollout_filter_metric} "
+                 f"needs a per-token entropy pass over the whole rollout batch, which is not implemented")
+        _require(rollout.rollout_filter_empty_stop_steps >= 0, f"{path}.rollout_filter_empty_stop_steps must be >= 0")
+        _require(not config.trainer.early_stop_reward_variance_collapse or metric in REWARD_METRICS,
+                 "trainer.early_stop_reward_variance_collapse watches the reward filter's rollout/in_group_reward_std: "
+                 f"set {path}.rollout_filter_metric to one of {REWARD_METRICS}")
+        for section in ("actor_rollout_ref.actor", "critic"):
+            optim = (config.critic if section == "critic" else config.actor_rollout_ref.actor).optim
+            _require(not callable(learning_rate(optim, config.trainer.total_training_steps)),
+                     f"{section}.optim: a warmup or cosine schedule counts optimizer steps per iteration, which "
+                     f"varies under {path}.rollout_filter_strategy={strategy}; use a constant learning rate")
+
+
+def _validate_ragen2(config: StarPOConfig) -> None:
+    """RAGEN-2 keys that only act under ``ragen_version=v2`` or need another key."""
+    algorithm, v2 = config.algorithm, config.ragen_version == "v2"
+    _require(v2 or algorithm.norm_adv_by_std_in_grpo,
+             "algorithm.norm_adv_by_std_in_grpo=False (Dr. GRPO) acts on RAGEN-2's per-group GRPO: set ragen_version=v2 "
+             "(V1's GRPO sees groups of one after the context manager's normalisation)")
+    _require(not algorithm.soft_advantage_reweight or (v2 and algorithm.adv_estimator == "grpo"),
+             "algorithm.soft_advantage_reweight needs RAGEN-2's GRPO: algorithm.adv_estimator=grpo and ragen_version=v2")
+    rollout, trainer = config.actor_rollout_ref.rollout, config.trainer
+    _require(trainer.gradient_analysis_every >= 1, f"trainer.gradient_analysis_every must be >= 1, "
+                                                   f"got {trainer.gradient_analysis_every}")
+    _require(rollout.gradient_analysis_num_buckets >= 1, "actor_rollout_ref.rollout.gradient_analysis_num_buckets "
+                                                         f"must be >= 1, got {rollout.gradient_analysis_num_buckets}")
+    default = type(rollout)()
+    unused = [f"actor_rollout_ref.rollout.{k}" for k in ("gradient_analysis_num_buckets", "gradient_analysis_bucket_mode")
+              if getattr(rollout, k) != getattr(default, k)]
+    unused += ["trainer.gradient_analysis_every"] if trainer.gradient_analysis_every != 50 else []
+    _require(trainer.gradient_analysis_mode or not unused, f"{', '.join(unused)} shape(s) the gradient analysis: "
+                                                           f"set trainer.gradient_analysis_mode=True")
+    collapse = config.collapse_detection
+    _require(not collapse.enabled or config.agent_proxy.enable_think,
+             "collapse_detection.first_turn_enabled / multi_turn_enabled score the <think> reasoning: they need "
+             "agent_proxy.enable_think=True")
+
+
 def validate(config: StarPOConfig) -> StarPOConfig:
     """Checks every field's type and the cross-field rules of RAGEN's ``train.py``; returns ``config``."""
     check_types(config)
@@ -158,7 +225,9 @@ def validate(config: StarPOConfig) -> StarPOConfig:
     _validate_env_groups(config.es_manager.train, "es_manager.train")
     _validate_env_groups(config.es_manager.val, "es_manager.val")
     validate_custom_envs(config.custom_envs, config.es_manager)
+    _validate_filter(config)
     _validate_batches(config)
     _validate_algorithm(config)
     _validate_rollout(config)
+    _validate_ragen2(config)
     return config

@@ -18,6 +18,8 @@ REFUSED_KEYS: dict[str, str] = {
     "trainer.balance_batch": "there are no data-parallel workers to balance: the mesh shards one batch",
     "agent_proxy.action_sep": "responses are split into actions on '||' (envs.text.ACTION_SEP)",
     "algorithm.kl_ctrl.type": "only the fixed KL controller exists (algorithm.kl_ctrl.kl_coef)",
+    "collapse_detection.micro_batch_size": "RAGEN-2's chunking of the cross batch it builds; it never changes the "
+                                           "metrics, and here the whole cross log-prob matrix is one compiled program",
 }
 
 

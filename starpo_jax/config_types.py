@@ -31,6 +31,13 @@ def check_value(value: Any, annotation, path: str) -> None:
     elif _is_optional(annotation):
         if value is not None:
             check_value(value, next(a for a in args if a is not type(None)), path)
+    elif typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return check_value(value, option, path)
+            except (TypeError, ValueError):
+                continue
+        raise TypeError(f"{path} must be {annotation}, got {value!r}")
     elif origin is Literal:
         if value not in args:
             raise ValueError(f"{path} must be one of {args}, got {value!r}")

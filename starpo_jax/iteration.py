@@ -20,9 +20,11 @@ from jax.sharding import Mesh
 from runtime.mesh import batch_sharding
 from runtime.sharding import shardings_of
 from runtime.train_state import TrainState, compile_step, init_train_state
-from starpo_jax.advantages import AdvantageInputs, apply_kl_penalty, compute_advantage
+from starpo_jax.advantages import AdvantageInputs, apply_kl_penalty, compute_advantage, scale_advantages
 from starpo_jax.config import StarPOConfig
-from starpo_jax.filtering import filter_groups_by_reward_std, num_kept_groups
+from starpo_jax.filtering import num_kept_groups
+from starpo_jax.gradient_analysis import gradient_analysis, make_component_grad_norms
+from starpo_jax.group_filters import ROLLOUT_FILTERS, FilterInputs
 from starpo_jax.masked import masked_mean
 from starpo_jax.scores import normalization_group_ids, normalize_scores, place_scores_on_last_token
 from starpo_jax.steps import (CriticBatch, PolicyBatch, learning_rate, make_actor_step, make_critic_step,
@@ -40,7 +42,8 @@ class Learner(NamedTuple):
     ``actor_step`` / ``critic_step``: ``(state, frozen, batch) -> (state, metrics)``;
     ``log_probs`` / ``values``: ``(trainable, frozen, ids, mask) -> [B, L − 1]``;
     ``reference``: trainable variables giving the reference policy (LoRA zeroed, or the
-    initial parameters), or ``None`` when no KL term needs it.
+    initial parameters), or ``None`` when no KL term needs it. ``grad_norms``: the gradient analysis's per-component
+    function (``trainer.gradient_analysis_mode``).
     """
 
     actor_step: Callable
@@ -50,6 +53,7 @@ class Learner(NamedTuple):
     actor_frozen: Any
     critic_frozen: Any
     reference: Any
+    grad_norms: Callable | None = None
 
 
 def num_micro_batches(config: StarPOConfig, mesh: Mesh, section: str = "actor_rollout_ref.actor") -> int:
@@ -75,7 +79,9 @@ def _batch_sizes(config: StarPOConfig, section: str) -> tuple[int, int]:
 def updates_per_iteration(config: StarPOConfig, section: str) -> int:
     """Optimizer steps of ``section`` per iteration: ``ppo_epochs`` × mini-batches of the filtered batch."""
     groups = config.es_manager.train
-    kept = num_kept_groups(groups.env_groups, config.actor_rollout_ref.rollout.rollout_filter_ratio) * groups.group_size
+    kept = groups.env_groups * groups.group_size  # an adaptive filter's most (config_checks refuses schedules then)
+    if config.actor_rollout_ref.rollout.rollout_filter_strategy == "starpo_s":
+        kept = num_kept_groups(groups.env_groups, config.actor_rollout_ref.rollout.rollout_filter_ratio) * groups.group_size
     epochs = (config.critic if section == "critic" else config.actor_rollout_ref.actor).ppo_epochs
     return epochs * max(1, kept // _batch_sizes(config, section)[0])
 
@@ -118,35 +124,37 @@ def build_learner(config: StarPOConfig, policy: nnx.Module, critic: nnx.Module |
         actor_step=compile_step(make_actor_step(graphdef, actor_tx, actor_cfg, micro_batches, temperature, actor_lr),
                                 actor, shardings_of(frozen), rows),
         critic_step=critic_step, log_probs=jax.jit(make_log_prob_fn(graphdef, micro_batches, temperature)),
-        values=values, actor_frozen=frozen, critic_frozen=critic_frozen, reference=reference)
+        values=values, actor_frozen=frozen, critic_frozen=critic_frozen, reference=reference,
+        grad_norms=make_component_grad_norms(graphdef, actor_cfg, temperature)
+        if config.trainer.gradient_analysis_mode else None)
     return learner, actor, critic_state, graphdef
 
 
-def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int) -> tuple[Trajectory, jax.Array, dict]:
-    """Normalised scores on the full batch, then the StarPO-S group filter (starpo.md §8.2, §11).
+def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int,
+                  step: int = 0) -> tuple[Trajectory, jax.Array, dict, np.ndarray]:
+    """Normalised scores on the full batch, then the ``rollout_filter_strategy`` filter (starpo.md §11, ragen2.md §4).
 
-    Returns the kept rows (group-major), their normalised scores and the filter metrics. The
-    filter ranks ``score + penalty`` before normalisation (starpo.md §22.12); with
-    ``agent_proxy.use_turn_scores`` it ranks each row's summed turn rewards as placed on the tokens
-    (RAGEN HEAD ``original_rm_scores.sum(-1)``: no penalty, no normalisation).
+    Returns the kept rows (group-major; RAGEN-2's batch adjustment may repeat rows), their normalised scores,
+    the filter metrics and each row's pre-filter group reward std; an SNR filter may keep no row. StarPO-S ranks ``score + penalty`` before
+    normalisation (starpo.md §22.12), RAGEN-2's filter the normalised reward; with ``agent_proxy.use_turn_scores``
+    both rank each row's summed turn rewards as placed on the tokens (RAGEN ``original_rm_scores.sum(-1)``: no
+    penalty, no normalisation).
     """
     groups = config.es_manager.train
     norm = config.agent_proxy.reward_normalization
-    rollout = config.actor_rollout_ref.rollout
     group_ids = normalization_group_ids(norm.grouping, jnp.asarray(traj.group_ids), jnp.asarray(traj.tag_ids))
     num_groups = groups.env_groups if norm.grouping != "inductive" else num_tags
     normalized = normalize_scores(traj.scores, traj.penalty, group_ids, max(num_groups, 1), norm.method)
     if config.agent_proxy.use_turn_scores:
-        raw = jnp.sum(jnp.asarray(traj.turn_rewards), axis=1)
+        raw = np.sum(np.asarray(traj.turn_rewards), axis=1)
     else:
-        raw = jnp.asarray(traj.scores) + jnp.asarray(traj.penalty)
-    kept = filter_groups_by_reward_std(raw.reshape(groups.env_groups, groups.group_size),
-                                       rollout.rollout_filter_ratio, rollout.rollout_filter_type,
-                                       rollout.rollout_filter_drop_zero_std)
-    rows = np.asarray(kept.sample_indices)
+        raw = np.asarray(traj.scores) + np.asarray(traj.penalty)
+    inputs = FilterInputs(raw, np.asarray(normalized), np.sum(np.asarray(traj.loss_mask), axis=1))
+    kept = ROLLOUT_FILTERS.get(config.actor_rollout_ref.rollout.rollout_filter_strategy)(inputs, config, step)
+    rows = np.asarray(kept.rows, np.int64)
     selected = Trajectory(*(None if x is None else np.asarray(x)[rows] for x in traj))
     selected = selected._replace(loss_mask=selected.loss_mask * np.asarray(kept.sample_mask)[:, None])
-    return selected, normalized[rows], kept.metrics
+    return selected, normalized[rows], kept.metrics, kept.reward_std
 
 
 def _collect(rows: list[dict]) -> dict[str, list]:
@@ -191,7 +199,13 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
     """
     timing: dict[str, float] = {}
     clock = time.perf_counter()
-    batch, normalized, metrics = select_groups(traj, config, num_tags)
+    batch, normalized, metrics, reward_std = select_groups(traj, config, num_tags, step)
+    rows = len(batch.group_ids)
+    mini = _batch_sizes(config, "actor_rollout_ref.actor")[0]
+    metrics |= {"train/batch_size": float(rows), "train/num_mini_batches": float(rows // mini),
+                "train/rollout_attempts": 1.0}
+    if not rows:  # RAGEN-2 skips the update of a step whose filter kept nothing (ragen2.md §4.8)
+        return actor, critic, {k: float(v) for k, v in metrics.items()}
     ids, mask, loss_mask = (jnp.asarray(x) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask))
 
     old_log_probs = learner.log_probs(actor.params, learner.actor_frozen, ids, mask)
@@ -222,6 +236,9 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
         rewards, metrics = out.token_level_rewards, {**metrics, **out.metrics}
     adv = compute_advantage(AdvantageInputs(rewards, values, loss_mask, jnp.asarray(batch.group_ids), old_log_probs,
                                             ref_log_probs), config)
+    adv, scaling = scale_advantages(adv, rewards, jnp.asarray(batch.group_ids), config,
+                                    metrics.get("rollout/filter_kept_ratio", 1.0))
+    metrics |= scaling
     metrics.update({"critic/advantages/mean": masked_mean(adv.advantages, loss_mask),
                     "critic/returns/mean": masked_mean(adv.returns, loss_mask),
                     "response_length/mean": jnp.mean(jnp.sum(loss_mask, axis=1))})
@@ -235,10 +252,15 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
             learner.critic_step, critic, learner.critic_frozen,
             CriticBatch(ids, mask, loss_mask, values, adv.returns), _batch_sizes(config, "critic")[0],
             config.critic.ppo_epochs, None if key is None else jax.random.fold_in(key, 1), rows_sharding)
+    policy_batch = PolicyBatch(ids, mask, loss_mask, old_log_probs, adv.advantages, ref_log_probs)
     if config.trainer.critic_warmup <= step + 1:  # verl: the actor trains once critic_warmup <= global step
+        if learner.grad_norms is not None and step % config.trainer.gradient_analysis_every == 0:
+            rollout = config.actor_rollout_ref.rollout  # RAGEN-2: after the critic, before the actor (ragen2.md §5.2)
+            metrics |= gradient_analysis(learner.grad_norms, actor.params, learner.actor_frozen, policy_batch,
+                                         np.asarray(batch.group_ids), reward_std, rollout.gradient_analysis_num_buckets,
+                                         rollout.gradient_analysis_bucket_mode)
         actor, actor_metrics = run_epochs(
-            learner.actor_step, actor, learner.actor_frozen,
-            PolicyBatch(ids, mask, loss_mask, old_log_probs, adv.advantages, ref_log_probs),
+            learner.actor_step, actor, learner.actor_frozen, policy_batch,
             _batch_sizes(config, "actor_rollout_ref.actor")[0], actor_cfg.ppo_epochs,
             None if key is None else jax.random.fold_in(key, 0), rows_sharding)
         step_metrics += actor_metrics

@@ -27,7 +27,7 @@ from runtime.preset import Preset, build_config
 from starpo_jax.config import StarPOConfig, resolve
 from starpo_jax.config_checks import validate
 from starpo_jax.custom_envs import SECTION, apply_overrides
-from starpo_jax.ragen2_presets import SLIPPER_PRESETS, TASKS
+from starpo_jax.ragen2_presets import TASKS, V2_PRESETS
 
 USE_PPO = Preset({"algorithm.adv_estimator": "gae"})
 USE_GRPO = Preset({"algorithm.adv_estimator": "grpo", "agent_proxy.reward_normalization.method": "mean_std",
@@ -148,10 +148,10 @@ PAPER_RECIPES: dict[str, Preset] = {
     **{f"sokoban-online{k}": SOKOBAN_GENERALIZATION + USE_PPO + online(k) for k in (1, 2, 5, 10)},
 }
 PRESETS: dict[str, Preset] = {**ALGORITHMS, "tiny": USE_PPO + TINY, **PAPER_RECIPES}
-# RAGEN-2's task configs with each main algorithm, and the slipper sweep (starpo_jax.ragen2_presets).
+# RAGEN-2's task configs with each V1 algorithm; RAGEN-2's own runs on its defaults (starpo_jax.ragen2_presets).
 PRESETS.update({f"v2-{task}-{name}": task_preset + ALGORITHMS[name] for task, task_preset in TASKS.items()
                 for name in MAIN_ALGORITHMS})
-PRESETS.update(SLIPPER_PRESETS)
+PRESETS.update(V2_PRESETS)
 
 # ``--mesh`` values (data, fsdp, tensor). Data-parallel devices (data × fsdp) × micro_batch_size_per_gpu
 # must divide ppo_mini_batch_size (32): 16 chips therefore split 8-way FSDP × 2-way tensor parallel.

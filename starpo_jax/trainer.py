@@ -31,6 +31,8 @@ from runtime.run_folder import RunFolder
 from runtime.wandb_logger import WandbLogger
 from starpo_jax.config import StarPOConfig
 from starpo_jax.config_keys import lora_targets
+from starpo_jax.collapse import CollapseDetector
+from starpo_jax.early_stop import EarlyStop
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.iteration import build_learner, update
 from starpo_jax.models.hf_io import check_model_folder, load_pretrained, save_pretrained
@@ -118,6 +120,15 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             greedy=not rollout_cfg.val_kwargs.do_sample, stop_ids=stop, pad_id=tokenizer.pad_token_id),
             tokenizer, settings, mesh)
 
+        detector = None
+        if config.collapse_detection.enabled:  # RAGEN-2's diagnostics, with the sampling temperature (ragen2.md §3.6)
+            detector = CollapseDetector(config.collapse_detection, graphdef, policy.config, tokenizer,
+                                        rollout_cfg.temperature, mesh, config.seed.train)
+        rollout_filter = config.actor_rollout_ref.rollout
+        early_stop = EarlyStop(rollout_filter.rollout_filter_empty_stop_steps if rollout_filter.rollout_filter_strategy
+                               != "starpo_s" else 0, config.trainer.early_stop_reward_variance_collapse,
+                               config.trainer.early_stop_low_validation_success)
+
         def validate(step: int, actor) -> dict[str, float]:
             params = nnx.merge_state(actor.params, frozen)
             traj, rows = val_play(params, config.seed.val, jax.random.key(config.seed.val))
@@ -129,14 +140,23 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             actor, critic = states
             clock = time.perf_counter()
             seed = config.seed.train + step * config.es_manager.train.env_groups
-            traj, rows = train_play(nnx.merge_state(actor.params, frozen), seed, jax.random.fold_in(actor.rng, step))
+            params = nnx.merge_state(actor.params, frozen)
+            traj, rows = train_play(params, seed, jax.random.fold_in(actor.rng, step))
             generation = time.perf_counter() - clock
+            # Collapse metrics on the full batch before the filter, with the sampling weights; RAGEN-2 counts
+            # steps from 1 and leaves their time out of the step's (ragen2.md §3.3).
+            collapse = {} if detector is None else detector(params, traj, step + 1)
+            clock += sum(collapse.get(f"timing_s/collapse_{k}_step", 0.0) for k in ("first_turn", "multi_turn"))
             actor, critic, metrics = update(actor, critic, learner, traj, config, len(train_tags), step)
+            metrics |= collapse | early_stop.observe_filter(
+                metrics["train/batch_size"] == 0,
+                metrics.get("rollout/in_group_reward_std", metrics.get("rollout/in_group_std")))
             metrics.update(env_metrics(rows, traj.tag_ids, traj.scores, train_tags, "train"))
             metrics["train/success"] = float(np.mean([row["success"] for row in rows]))
             metrics.update({"timing_s/gen": generation, "timing_s/step": time.perf_counter() - clock})
             if config.trainer.test_freq > 0 and (step + 1) % config.trainer.test_freq == 0:
-                metrics.update(validate(step + 1, actor))
+                validation = validate(step + 1, actor)
+                metrics |= validation | early_stop.observe_validation(validation)
                 save_rollouts(out / "rollouts" / f"train_step{step + 1}.jsonl", tokenizer, traj, rows, train_tags)
             return (actor, critic), metrics
 
@@ -168,6 +188,6 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
                 iteration, (restored["actor"], restored["critic"]), start, total, checkpoint, writer=writer,
                 guard=guard, preemption=preemption, save_every=config.trainer.save_freq,
                 checkpoint_dir=ckpt.directory, description="StarPO", bar_keys=("train/success", "actor/pg_loss"),
-                on_row=warn_echo_trap)
+                on_row=warn_echo_trap, stop_after=lambda: early_stop.stopped)
         save_pretrained(nnx.merge(graphdef, actor.params, frozen), out / "hf_model", tokenizer=tokenizer)
     return last

@@ -217,7 +217,7 @@ def test_detector_cadence_metric_names_and_ema(chat):
                                num_heads=2, num_kv_heads=1, head_dim=8)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(0)))
-    detector = CollapseDetector(CollapseDetectionConfig(enabled=True, compute_freq=2), graphdef, config, tokenizer)
+    detector = CollapseDetector(CollapseDetectionConfig(compute_freq=2, first_turn_enabled=True, multi_turn_enabled=True), graphdef, config, tokenizer)
     assert detector(params, traj, 0) == {} and detector(params, traj, 3) == {}
     first = detector(params, traj, 1)
     assert first["collapse/valid_thinking_rate"] == pytest.approx(5 / 8)

@@ -121,9 +121,9 @@ def test_turn_scores_filter_ranks_the_summed_turn_rewards():
     turn_rewards[3 * GROUP_SIZE:, -1] = [0.0, 5.0, -5.0, 1.0]
     traj = traj._replace(scores=np.zeros(b, np.float32), penalty=np.zeros(b, np.float32), turn_rewards=turn_rewards)
     overrides = OVERRIDES + ("micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25")
-    kept, _, metrics = select_groups(traj, load_config("starpo-s-ppo", overrides + ("agent_proxy.use_turn_scores=True",)), 1)
+    kept, _, metrics, _ = select_groups(traj, load_config("starpo-s-ppo", overrides + ("agent_proxy.use_turn_scores=True",)), 1)
     np.testing.assert_array_equal(kept.group_ids, [3] * GROUP_SIZE)
     want_std = np.std(turn_rewards.reshape(GROUPS, GROUP_SIZE, -1).sum(-1), axis=1, ddof=1)
     np.testing.assert_allclose(metrics["rollout/in_group_std"], want_std.mean(), rtol=1e-5)
-    kept, _, _ = select_groups(traj, load_config("starpo-s-ppo", overrides), 1)
+    kept, _, _, _ = select_groups(traj, load_config("starpo-s-ppo", overrides), 1)
     np.testing.assert_array_equal(kept.group_ids, [0] * GROUP_SIZE)  # all scores tie: lowest group id

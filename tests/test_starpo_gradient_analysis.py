@@ -1,0 +1,79 @@
+"""RAGEN-2's gradient analysis (ragen2.md §5): buckets by reward std, per-component gradient norms, trainer wiring."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from runtime.mesh import MeshConfig, make_mesh
+from runtime.sharding import create_sharded
+from starpo_jax.gradient_analysis import bucket_groups, make_component_grad_norms
+from starpo_jax.iteration import build_learner, update
+from starpo_jax.losses import actor_loss
+from starpo_jax.models.transformer import CausalLM
+from starpo_jax.presets import load_config
+from starpo_jax.steps import PolicyBatch, model_token_log_probs
+from test_starpo_iteration import MODEL, trajectory
+from test_starpo_ragen2_wiring import BASE, V2_FILTER
+
+
+def test_quantile_and_fixed_buckets():
+    std = np.array([0.5, 0.1, 0.9, 0.1, 2.5, 0.3, 7.0])
+    quantile = bucket_groups(std, 3, "quantile")  # 7 groups in 3 buckets: 2, 2 and the remaining 3, lowest first
+    assert {k: v.tolist() for k, v in quantile.items()} == {"bucket_1": [1, 3], "bucket_2": [0, 5],
+                                                            "bucket_3": [2, 4, 6]}
+    assert list(bucket_groups(std, 10, "quantile")) == [f"bucket_{i}" for i in range(1, 8)]
+    fixed = bucket_groups(std, 6, "fixed_rv")  # [0, 1), [2, 3) and [5, inf); the empty buckets are left out
+    assert {k: v.tolist() for k, v in fixed.items()} == {"bucket_1": [0, 1, 2, 3, 5], "bucket_3": [4],
+                                                         "bucket_6": [6]}
+
+
+def test_component_norms_equal_each_term_differentiated_alone():
+    config = load_config("starpo-s-grpo", ("actor_rollout_ref.actor.entropy_coeff=0.01",
+                                           "actor_rollout_ref.actor.use_kl_loss=True",
+                                           "actor_rollout_ref.actor.kl_loss_coef=0.1"))
+    actor = config.actor_rollout_ref.actor
+    traj = trajectory()
+    rng = np.random.default_rng(0)
+    shape = traj.loss_mask.shape
+    batch = PolicyBatch(jnp.asarray(traj.input_ids), jnp.asarray(traj.attention_mask), jnp.asarray(traj.loss_mask),
+                        jnp.asarray(rng.normal(-2, 0.3, shape), jnp.float32), jnp.asarray(rng.normal(size=shape), jnp.float32),
+                        jnp.asarray(rng.normal(-2, 0.3, shape), jnp.float32))
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(CausalLM(MODEL, rngs=nnx.Rngs(0)))
+    metrics = make_component_grad_norms(graphdef, actor)(params, nnx.State({}), batch)
+
+    def term(p, entropy_coeff, use_kl, part):
+        log_probs, entropy = model_token_log_probs(nnx.merge(graphdef, p), batch.input_ids, batch.attention_mask)
+        out = actor_loss(log_probs, batch.old_log_probs, batch.advantages, batch.loss_mask, entropy, batch.ref_log_probs,
+                         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, entropy_coeff=entropy_coeff,
+                         use_kl_loss=use_kl, kl_loss_coef=0.1, loss_agg_mode=actor.loss_agg_mode)
+        return {"task": out.loss, "entropy": -0.01 * out.metrics["actor/entropy_loss"],
+                "kl": 0.1 * out.metrics.get("actor/kl_loss", 0.0)}[part]
+
+    for part in ("task", "entropy", "kl"):
+        want = optax.tree.norm(jax.grad(term)(params, 0.0, part == "kl", part))
+        assert metrics[part] == pytest.approx(float(want), rel=1e-4), part
+    assert float(metrics["loss/total"]) == pytest.approx(float(metrics["loss/policy"] + metrics["loss/entropy"]
+                                                               + metrics["loss/kl"]), rel=1e-5)
+
+
+def test_update_logs_bucket_norms_before_the_actor_step():
+    config = load_config("starpo-s-grpo", BASE + (V2_FILTER + "top_k_abs", "actor_rollout_ref.rollout.rollout_filter_value=2",
+                                                  "ragen_version=v2", "trainer.gradient_analysis_mode=True",
+                                                  "actor_rollout_ref.rollout.gradient_analysis_num_buckets=2"))
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        policy = create_sharded(lambda: CausalLM(MODEL, lora=None, rngs=nnx.Rngs(0)), mesh)
+        learner, actor, _, _ = build_learner(config, policy, None, mesh)
+        _, _, metrics = update(actor, None, learner, trajectory(), config, step=0)
+    assert metrics["grad_norm/all/sample_count"] == 8 and metrics["grad_norm/all/group_rv_count"] == 2
+    low, high = metrics["grad_norm/bucket_1/reward_std_mean"], metrics["grad_norm/bucket_2/reward_std_mean"]
+    assert low < high and metrics["grad_norm/bucket_1/sample_pct"] == 0.5
+    assert metrics["actor/grad_norm/task"] == metrics["grad_norm/all/task"] > 0
+    assert metrics["grad_norm/all/per_sample/task"] == pytest.approx(metrics["grad_norm/all/task"] / 8)
+    assert "grad_norm/all/entropy" in metrics and "grad_norm/all/kl" not in metrics  # entropy 0.001, KL loss off
+    with pytest.raises(ValueError, match="set trainer.gradient_analysis_mode=True"):
+        load_config("starpo-s-ppo", ("trainer.gradient_analysis_every=10",))

@@ -58,7 +58,16 @@ def env_metrics(rows: list[dict[str, float]], tag_ids: np.ndarray, scores: np.nd
         tag_scores = np.asarray(scores)[tagged]
         out[f"{prefix}/{tag}/reward/mean"] = float(tag_scores.mean())
         out[f"{prefix}/{tag}/reward/std"] = float(tag_scores.std())
-    return out
+    return out | batch_env_metrics(out, "" if prefix == "train" else f"{prefix}/")
+
+
+def batch_env_metrics(tagged: dict[str, float], prefix: str) -> dict[str, float]:
+    """RAGEN-2's batch-wide ``charts/avg_episode_return`` (the mean over tags of each tag's mean episodic return)
+    and ``rollout/max_tile`` (the largest tile in the batch), from ``env_metrics``' per-tag values (ragen2.md §6.8)."""
+    returns = [v for k, v in tagged.items() if k.endswith("/episodic_return")]
+    tiles = [v for k, v in tagged.items() if k.endswith("/max_tile")]
+    return ({f"{prefix}charts/avg_episode_return": float(np.mean(returns))} if returns else {}) | (
+        {f"{prefix}rollout/max_tile": float(max(tiles))} if tiles else {})
 
 
 def save_rollouts(path: Path, tokenizer, traj, rows: list[dict[str, float]], tags: Sequence[str]) -> None:

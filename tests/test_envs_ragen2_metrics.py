@@ -68,3 +68,13 @@ def test_trainer_logs_them_per_tag_with_ragens_reduction(played):
     assert out["train/game_2048/episodic_return"] == pytest.approx(rows[0]["episodic_return"] / 2)
     assert out["train/game_2048/final_score"] == rows[0]["final_score"]
     assert "train/Bandit/max_tile" not in out and out["train/Bandit/success"] == 1.0
+
+
+def test_batch_metrics_average_tags_and_take_the_largest_tile():
+    rows = [{"episodic_return": 3.0, "max_tile": 16.0}, {"episodic_return": 1.0, "max_tile": 64.0},
+            {"episodic_return": 8.0}]
+    out = env_metrics(rows, np.array([0, 0, 1]), np.zeros(3), ("game_2048", "Bandit"), "train")
+    assert out["charts/avg_episode_return"] == pytest.approx(((3.0 + 1.0) / 2 + 8.0) / 2)  # per tag, then over tags
+    assert out["rollout/max_tile"] == 64.0
+    val = env_metrics(rows[2:], np.array([0]), np.zeros(1), ("Bandit",), "val")
+    assert val == {**val, "val/charts/avg_episode_return": 8.0} and "val/rollout/max_tile" not in val

@@ -75,8 +75,6 @@ class Demos:
     """``count`` demonstrations on ``tag`` of ``max_turn`` turns, ``per_seed`` to a map or prompt.
 
     ``guess``: the probability that a turn is a guess (``starpo_jax.demonstrations.demonstrate``).
-    ``guess_named``: a guess names its drawn direction (``I guess down.``), so the answer follows
-    the thought in every demonstrated turn.
     ``instruction``: whether the first user message holds the environment's instruction, legend
     and action list; without it a demonstration is its turns alone (a map-reading drill, less
     than half as long as a 1-turn FrozenLake demonstration with it).
@@ -88,7 +86,6 @@ class Demos:
     per_seed: int
     max_turn: int
     instruction: bool = True
-    guess_named: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +101,13 @@ class DemoConfig:
     # Bandit shows each prompt with both arms; FrozenLake: map-reading drills (1 turn, no instruction)
     # and whole episodes of up to 3 turns where half the turns are guesses.
     demos: tuple[Demos, ...] = (Demos("Bandit", 512, 0.0, 2, 1), Demos("FrozenLake", 10000, 0.0, 1, 1, False),
-                                 Demos("FrozenLake", 1000, 0.5, 1, 3, guess_named=True))
+                                 Demos("FrozenLake", 1000, 0.5, 1, 3))
     # RAGEN ``custom_envs.*`` keys of the demo, before the user's: RAGEN's FrozenLake without slip.
     custom_envs: tuple[str, ...] = ("custom_envs.FrozenLake.env_config.is_slippery=false",)
     actions_per_turn: int = 1
     sft_steps: int = 900
     sft_batch_size: int = 16
     sft_lr: float = 3e-3
-    sft_warmup_steps: int = 45
     # ``nnx.Rngs`` seed of the random policy (``--seeds`` varies it).
     policy_seed: int = 0
     rollout_bucket: int = 64
@@ -123,7 +119,7 @@ class DemoConfig:
             "micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
             "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3")),
         Stage("FrozenLake", 5, 24, 1024, (
-            "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=512",
+            "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
             "agent_proxy.max_actions_per_turn=1", "agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True",
@@ -138,7 +134,7 @@ class DemoConfig:
                  "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=1")
         demos = (Demos("Bandit", 4, 0.0, 2, 1), Demos("FrozenLake", 4, 1.0, 1, 1, False), Demos("FrozenLake", 4, 1.0, 1, 2))
         return cls(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                   demos=demos, sft_steps=2, sft_warmup_steps=1, sft_batch_size=4, rollout_bucket=768,
+                   demos=demos, sft_steps=2, sft_batch_size=4, rollout_bucket=768,
                    stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
 
 
@@ -190,7 +186,7 @@ def play_demos(demos: Demos, first_seed: int, actions_per_turn: int, tag_id: int
     holds its turns alone."""
     seeds = [first_seed + i // demos.per_seed for i in range(demos.count)]
     played = demonstrate(demos.tag, seeds, demos.max_turn, actions_per_turn, demos.guess, tag_id=tag_id,
-                         custom_envs=custom_envs, guess_named=demos.guess_named)
+                         custom_envs=custom_envs)
     return played if demos.instruction else [dataclasses.replace(slot, prefix="") for slot in played]
 
 
@@ -208,8 +204,7 @@ def warm_up(config: DemoConfig, out: Path, mesh: Mesh, custom_envs: Mapping[str,
         demos = pack_trajectory(tokenizer, slots, RolloutSettings(max_model_len=4096, bucket=config.rollout_bucket))
         with MetricWriter(out / "logs" / "sft") as writer:
             model = fit(model, demos, mesh, steps=config.sft_steps, batch_size=config.sft_batch_size,
-                        lr=config.sft_lr, bucket=config.rollout_bucket, warmup_steps=config.sft_warmup_steps,
-                        writer=writer)
+                        lr=config.sft_lr, bucket=config.rollout_bucket, writer=writer)
         save_pretrained(model, sft_folder, tokenizer=tokenizer)
     return sft_folder
 

@@ -11,7 +11,7 @@ it starts at chance. The played slots render to training sequences exactly as ro
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -61,28 +61,16 @@ DEMONSTRATORS: dict[type, Callable[[Slot, int], tuple[str, list[str]]]] = {
 }
 
 
-def guess_turn(action_names: Sequence[str], actions_per_turn: int, rng: np.random.Generator,
-               named: bool) -> tuple[str, list[str]]:
-    """A guessed turn: uniformly drawn actions after ``I guess.``; with ``named``, one drawn action
-    for the whole turn, named in the thought (``I guess down.``), so the answer always repeats the thought."""
-    if not named:
-        return GUESS_THOUGHT, [str(rng.choice(action_names)) for _ in range(actions_per_turn)]
-    action = str(rng.choice(action_names))
-    return f"{GUESS_THOUGHT[:-1]} {action.lower()}.", [action] * actions_per_turn
-
-
 def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_turn: int = 2, guess: float = 0.0,
                 rng: np.random.Generator | None = None, tag_id: int = 0,
-                custom_envs: Mapping[str, envs.EnvEntry] | None = None, guess_named: bool = False) -> list[Slot]:
+                custom_envs: Mapping[str, envs.EnvEntry] | None = None) -> list[Slot]:
     """Plays one demonstration per seed; each slot ends done or after ``max_turn`` turns.
 
     The environment is ``envs.make(tag, custom_envs)``, so any tag of a Bandit or FrozenLake type works.
 
     With ``guess`` > 0 a turn is, with that probability, a guess: the thought says so
     (``I guess.``) and the actions are drawn uniformly. A policy imitating both plays both ways,
-    as Bandit's demonstrations pull both arms; RL then has to find which way pays. With
-    ``guess_named`` a guess names its drawn action (``guess_turn``): the answer then follows the
-    thought in every demonstrated turn, guessed or reasoned.
+    as Bandit's demonstrations pull both arms; RL then has to find which way pays.
     """
     if not 0.0 <= guess <= 1.0:
         raise ValueError(f"guess must be in [0, 1] (the probability that a turn is a guess), got {guess}")
@@ -99,7 +87,7 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
             if slot.done:
                 break
             if rng.random() < guess:
-                thought, actions = guess_turn(env.action_names, actions_per_turn, rng, guess_named)
+                thought, actions = GUESS_THOUGHT, [str(rng.choice(env.action_names)) for _ in range(actions_per_turn)]
             else:
                 thought, actions = policy(slot, actions_per_turn)
             run_turn(slot, response(thought, actions), actions)

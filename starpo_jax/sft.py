@@ -89,19 +89,15 @@ def epoch_batches(demos: Trajectory, batch_size: int, rng: np.random.Generator, 
 
 
 def fit(model: nnx.Module, demos: Trajectory, mesh: Mesh, *, steps: int, batch_size: int, lr: float,
-        bucket: int = 64, seed: int = 0, warmup_steps: int = 0, writer: MetricWriter | None = None) -> nnx.Module:
+        bucket: int = 64, seed: int = 0, writer: MetricWriter | None = None) -> nnx.Module:
     """Trains every parameter of ``model`` for ``steps`` mini-batches of ``demos`` (peak learning rate
-    ``lr``, reached linearly from 0 over ``warmup_steps``, then cosine-decayed to 0; batches grouped by
-    length, their widths multiples of ``bucket``); returns the model.
+    ``lr``; batches grouped by length, their widths multiples of ``bucket``); returns the model.
 
     Metrics ``sft/{loss,accuracy,grad_norm}`` go to ``writer`` every step; a progress bar shows them.
     """
     graphdef, params, frozen = split_trainable(model, lora=False)
-    if not 0 <= warmup_steps < steps:
-        raise ValueError(f"warmup_steps must be in [0, steps={steps}), got {warmup_steps}")
-    schedule = (optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, steps) if warmup_steps
-                else optax.cosine_decay_schedule(lr, steps))
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(optax.cosine_decay_schedule(lr, steps), weight_decay=0.01))
     state = init_train_state(params, tx, jax.random.key(seed), mesh)
     step = compile_step(make_sft_step(graphdef, tx), state, shardings_of(frozen), batch_sharding(mesh, 2))
     batches = epoch_batches(demos, batch_size, np.random.default_rng(seed), bucket)

@@ -17,17 +17,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from jax.sharding import Mesh
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
-from launch.demo_starpo import DemoConfig, finish, train_stages, warm_up, with_custom_envs  # noqa: E402
-from runtime.metrics import read_jsonl  # noqa: E402
-from starpo_jax.config import SeedConfig  # noqa: E402
-from starpo_jax.plots import ema, series  # noqa: E402
+from launch.demo_starpo import DemoConfig, finish, train_stages, warm_up, with_custom_envs
+from runtime.metrics import read_jsonl
+from starpo_jax.config import SeedConfig
+from starpo_jax.plots import ema, series
 
 
 def parse_seeds(text: str) -> tuple[list[int], list[int]]:

@@ -108,6 +108,8 @@ class DemoConfig:
     sft_steps: int = 900
     sft_batch_size: int = 16
     sft_lr: float = 3e-3
+    # ``nnx.Rngs`` seed of the random policy (``--seeds`` varies it).
+    policy_seed: int = 0
     rollout_bucket: int = 64
     # ``critic.optim.lr`` counts when a PPO preset (``--preset starpo-s-ppo``) trains a critic.
     stages: tuple[Stage, ...] = (
@@ -134,6 +136,15 @@ class DemoConfig:
         return cls(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                    demos=demos, sft_steps=2, sft_batch_size=4, rollout_bucket=768,
                    stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
+
+
+def select_stages(config: DemoConfig, tags: Sequence[str]) -> DemoConfig:
+    """``config`` with only the stages named in ``tags`` (in the demo's order)."""
+    known = [stage.tag for stage in config.stages]
+    unknown = sorted(set(tags) - set(known))
+    if unknown or not tags:
+        raise ValueError(f"--stages {','.join(tags)!r}: the demo's stages are {known}; unknown: {unknown}")
+    return dataclasses.replace(config, stages=tuple(s for s in config.stages if s.tag in tags))
 
 
 def stage_overrides(stage: Stage, model_path: Path) -> list[str]:
@@ -164,7 +175,7 @@ def build_policy(config: DemoConfig, tokenizer, mesh: Mesh, folder: Path) -> Cau
         num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         head_dim=config.hidden_size // config.num_heads, tie_word_embeddings=True, attention_bias=True,
         max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = create_sharded(lambda: CausalLM(model_config, rngs=nnx.Rngs(0)), mesh)
+    model = create_sharded(lambda: CausalLM(model_config, rngs=nnx.Rngs(config.policy_seed)), mesh)
     save_pretrained(model, folder, tokenizer=tokenizer)
     return model
 
@@ -204,19 +215,17 @@ def held_out_success(metrics_path: Path, tag: str) -> tuple[float, float]:
     return values[0], values[-1]
 
 
-def run(out: Path, mesh: Mesh, preset: str = DEMO_PRESET, overrides: Sequence[str] = (),
-        config: DemoConfig = DemoConfig()) -> dict[str, float]:
-    """Runs the whole demo into ``out``; returns the summary (held-out success before / after, wall time).
-
-    ``overrides`` (RAGEN ``key=value``) apply to every StarPO stage after the demo's own.
-    """
-    clock = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
+def with_custom_envs(config: DemoConfig, overrides: Sequence[str]) -> tuple[list[str], dict[str, EnvEntry]]:
+    """The demo's ``custom_envs.*`` keys before the user's overrides, and the environments they configure."""
     overrides = [*config.custom_envs, *overrides]
-    custom_envs = apply_overrides(CUSTOM_ENVS, split_section(overrides, SECTION)[0])
-    model_path = warm_up(config, out, mesh, custom_envs)
-    (out / "plots").mkdir(exist_ok=True)
-    plot_sft(out / "logs" / "sft" / "metrics.jsonl", out / "plots" / "sft.png")
+    return overrides, apply_overrides(CUSTOM_ENVS, split_section(overrides, SECTION)[0])
+
+
+def train_stages(config: DemoConfig, model_path: Path, out: Path, mesh: Mesh, preset: str,
+                 overrides: Sequence[str]) -> dict[str, float]:
+    """Every stage from ``model_path`` into ``out/rl_<tag>`` (Echo Trap panels in ``out/plots``);
+    returns held-out success before / after per stage."""
+    (out / "plots").mkdir(parents=True, exist_ok=True)
     summary: dict[str, float] = {}
     for stage in config.stages:
         stage_out = out / f"rl_{stage.tag.lower()}"
@@ -226,9 +235,30 @@ def run(out: Path, mesh: Mesh, preset: str = DEMO_PRESET, overrides: Sequence[st
         summary[f"{stage.tag}/success_after_sft"], summary[f"{stage.tag}/success_after_rl"] = before, after
         plot_echo_trap(stage_out / "metrics.jsonl", out / "plots" / f"rl_{stage.tag.lower()}.png",
                        title=f"StarPO-S ({preset}) on {stage.tag}")
+    return summary
+
+
+def finish(summary: dict, out: Path, clock: float) -> dict:
+    """Adds the wall time since ``clock`` and the load average to ``summary``; writes ``out/summary.json``."""
     summary["wall_time_s"] = time.perf_counter() - clock
     summary["load_average_1min"] = os.getloadavg()[0]
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def run(out: Path, mesh: Mesh, preset: str = DEMO_PRESET, overrides: Sequence[str] = (),
+        config: DemoConfig = DemoConfig()) -> dict[str, float]:
+    """Runs the whole demo into ``out``; returns the summary (held-out success before / after, wall time).
+
+    ``overrides`` (RAGEN ``key=value``) apply to every StarPO stage after the demo's own.
+    """
+    clock = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    overrides, custom_envs = with_custom_envs(config, overrides)
+    model_path = warm_up(config, out, mesh, custom_envs)
+    (out / "plots").mkdir(exist_ok=True)
+    plot_sft(out / "logs" / "sft" / "metrics.jsonl", out / "plots" / "sft.png")
+    summary = finish(train_stages(config, model_path, out, mesh, preset, overrides), out, clock)
     for stage in config.stages:
         print(f"{stage.tag:>12}: held-out success {summary[f'{stage.tag}/success_after_sft']:.1%} after SFT -> "
               f"{summary[f'{stage.tag}/success_after_rl']:.1%} after StarPO-S")

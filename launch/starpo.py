@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from launch import demo_starpo
+from launch import demo_seeds, demo_starpo
 from runtime.mesh import make_mesh
 from starpo_jax.presets import PRESETS, load_config, mesh_config
 from starpo_jax.trainer import train
@@ -37,19 +37,37 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--demo-size", choices=("full", "fast"),
                         help="the embedded demo's sizes: full (default) or fast, the tiny test configuration "
                              "(minutes, numbers meaningless); only without model_path")
+    parser.add_argument("--seeds", metavar="PxS",
+                        help="the embedded demo over policy init seeds P x sampling seeds S (each a range a-b or a "
+                             "comma list, e.g. 0-3x0-1); prints the held-out gain's mean, min and max")
+    parser.add_argument("--stages", metavar="TAGS",
+                        help="comma-separated demo stages to run (default all: Bandit,FrozenLake)")
     parser.add_argument("--allow-change", default="", metavar="KEYS",
                         help="comma-separated config keys that may differ from the run's recorded config on resume")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     demo = not any("model_path" in o or "model-path" in o for o in overrides)
-    if args.demo_size and not demo:
-        parser.error("--demo-size sizes the embedded demo; it has no effect with model_path")
+    for flag, value in (("--demo-size", args.demo_size), ("--seeds", args.seeds), ("--stages", args.stages)):
+        if value and not demo:
+            parser.error(f"{flag} applies to the embedded demo; it has no effect with model_path")
     allow = [key for key in args.allow_change.split(",") if key]
     if allow and demo:
         parser.error("--allow-change applies to a run on model_path=..., not to the embedded demo")
     mesh = make_mesh(mesh_config(args.mesh))
     if demo:
         config = demo_starpo.DemoConfig.fast() if args.demo_size == "fast" else demo_starpo.DemoConfig()
-        return demo_starpo.run(Path(args.out), mesh, args.preset or demo_starpo.DEMO_PRESET, overrides, config)
+        if args.stages:
+            try:
+                config = demo_starpo.select_stages(config, args.stages.split(","))
+            except ValueError as error:
+                parser.error(str(error))
+        preset = args.preset or demo_starpo.DEMO_PRESET
+        if args.seeds:
+            try:
+                policy_seeds, sampling_seeds = demo_seeds.parse_seeds(args.seeds)
+            except ValueError as error:
+                parser.error(str(error))
+            return demo_seeds.run_seeds(Path(args.out), mesh, preset, overrides, config, policy_seeds, sampling_seeds)
+        return demo_starpo.run(Path(args.out), mesh, preset, overrides, config)
     return train(load_config(args.preset or "starpo-s-ppo", overrides), mesh, Path(args.out), allow_changes=allow)
 
 

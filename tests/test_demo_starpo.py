@@ -7,7 +7,7 @@ import pytest
 
 from envs.frozen_lake import FROZEN_LAKE_INSTRUCTION
 from envs.registry import CUSTOM_ENVS
-from launch import demo_starpo
+from launch import demo_seeds, demo_starpo
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.metrics import read_jsonl
 from starpo_jax.demonstrations import demonstrate
@@ -65,3 +65,30 @@ def test_demonstrations_without_the_instruction_are_their_turns_alone():
         assert drill_chat[1]["content"] == full_chat[1]["content"][len(full.prefix):]
         assert drill_chat[1]["content"].startswith("\nTurn 1:\nState:\n")
         assert drill_chat[2:] == full_chat[2:] and drill.score == full.score
+
+
+def test_seed_grid_parsing_and_sampling_keys():
+    assert demo_seeds.parse_seeds("0-3x0-1") == ([0, 1, 2, 3], [0, 1])
+    assert demo_seeds.parse_seeds("2,5") == ([2, 5], [0])
+    for bad in ("3-1x0", "ax0", "0,0x1", "0x-1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            demo_seeds.parse_seeds(bad)
+    assert demo_seeds.sampling_overrides(["a=1"], 1) == ["a=1", "seed.train=20000"]
+    with pytest.raises(ValueError, match="seed.train"):
+        demo_seeds.sampling_overrides(["seed.train=5"], 0)
+    config = demo_starpo.select_stages(demo_starpo.DemoConfig.fast(), ["FrozenLake"])
+    assert [stage.tag for stage in config.stages] == ["FrozenLake"]
+    with pytest.raises(ValueError, match="unknown: \\['Sokoban'\\]"):
+        demo_starpo.select_stages(config, ["Sokoban"])
+
+
+def test_seed_distribution_and_per_seed_plot(demo):
+    out, summary = demo
+    runs = [{"policy_seed": p, "sampling_seed": 0, "folder": str(out), "FrozenLake/success_after_sft": before,
+             "FrozenLake/success_after_rl": after} for p, (before, after) in enumerate([(0.25, 0.5), (0.1, 0.05)])]
+    stats = demo_seeds.distribution(runs, ["FrozenLake"])["FrozenLake"]
+    assert stats["gain_mean"] == pytest.approx(10.0) and stats["gain_min"] == pytest.approx(-5.0)
+    assert stats["gain_max"] == pytest.approx(25.0) and stats["before_mean"] == pytest.approx(17.5)
+    assert stats["after_min"] == pytest.approx(5.0) and stats["after_max"] == pytest.approx(50.0)
+    demo_seeds.plot_seeds(runs, out, "FrozenLake")
+    assert (out / "plots" / "seeds_frozenlake.png").read_bytes()[:4] == b"\x89PNG"

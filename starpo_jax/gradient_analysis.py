@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from starpo_jax.losses import actor_loss
+from starpo_jax.losses import configured_actor_loss
 from starpo_jax.steps import PolicyBatch, model_token_log_probs
 
 FIXED_RV_EDGES = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, math.inf)
@@ -43,12 +43,7 @@ def make_component_grad_norms(graphdef: nnx.GraphDef, actor: Any, temperature: f
     def components(params, frozen, batch: PolicyBatch):
         model = nnx.merge(graphdef, params, frozen)
         log_probs, entropy = model_token_log_probs(model, batch.input_ids, batch.attention_mask, temperature)
-        out = actor_loss(log_probs, batch.old_log_probs, batch.advantages, batch.loss_mask, entropy,
-                         batch.ref_log_probs, clip_ratio_low=actor.clip_ratio_low,
-                         clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
-                         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
-                         kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
-                         loss_agg_mode=actor.loss_agg_mode, policy_loss=actor.policy_loss.loss_mode)
+        out = configured_actor_loss(log_probs, entropy, batch, actor)
         terms = {}
         if actor.entropy_coeff != 0:
             terms["entropy"] = -actor.entropy_coeff * out.metrics["actor/entropy_loss"]

@@ -9,7 +9,7 @@ registries (``runtime.registry``) the config names them from.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +175,17 @@ def actor_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.A
         loss = loss + kl_loss_coef * kl_term
         metrics = {**metrics, "actor/kl_loss": kl_term, "actor/kl_coef": jnp.asarray(kl_loss_coef, jnp.float32)}
     return LossOutput(loss, metrics)
+
+
+def configured_actor_loss(log_probs: jax.Array, entropy: jax.Array, batch: Any, actor: Any,
+                          normalizer: jax.Array | None = None) -> LossOutput:
+    """``actor_loss`` of a ``PolicyBatch`` with the keys of ``actor_rollout_ref.actor`` (``actor``)."""
+    return actor_loss(log_probs, batch.old_log_probs, batch.advantages, batch.loss_mask, entropy, batch.ref_log_probs,
+                      clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                      clip_ratio_c=actor.clip_ratio_c, entropy_coeff=actor.entropy_coeff,
+                      use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+                      loss_agg_mode=actor.loss_agg_mode, normalizer=normalizer,
+                      policy_loss=actor.policy_loss.loss_mode)
 
 
 # ``fn(values, old_values, returns, loss_mask, cliprange_value, loss_agg_mode, normalizer) -> LossOutput``.

@@ -137,5 +137,5 @@ def slipper_sweep(rate) -> Preset:
 SLIPPER_PRESETS: dict[str, Preset] = {
     f"v2-frozenlake-slipper{rate}-{arm}": slipper_sweep(rate) + top_p(p, include_zero=arm == "nofilter")
     for rate in SLIPPER_RATES for arm, p in (("filter", 0.9), ("nofilter", 1.0))}
-V2_PRESETS: dict[str, Preset] = {"v2": V2_DEFAULTS + TASKS["sokoban"] + PPO, **MAIN_TABLE_PRESETS, **SWEEP_PRESETS,
+V2_PRESETS: dict[str, Preset] = {"v2": V2_DEFAULTS + TASKS["sokoban"] + Preset({"algorithm.adv_estimator": "gae"}), **MAIN_TABLE_PRESETS, **SWEEP_PRESETS,
                                  **SLIPPER_PRESETS}

@@ -22,7 +22,7 @@ from flax import nnx
 from runtime.guards import non_finite_metrics, skip_non_finite
 from runtime.train_state import TrainState, scan_micro_batches
 from starpo_jax.config import ActorConfig, CriticConfig, OptimConfig
-from starpo_jax.losses import CRITIC_LOSSES, actor_loss, entropy_from_logits, loss_normalizer
+from starpo_jax.losses import CRITIC_LOSSES, configured_actor_loss, entropy_from_logits, loss_normalizer
 
 # Loss terms whose micro-batch values add up to the mini-batch value; other metrics are averaged.
 SUMMED_METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss")
@@ -188,13 +188,7 @@ def make_actor_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ac
     """
     def loss_fn(model, micro: PolicyBatch, normalizer):
         log_probs, entropy = model_token_log_probs(model, micro.input_ids, micro.attention_mask, temperature)
-        out = actor_loss(log_probs, micro.old_log_probs, micro.advantages, micro.loss_mask, entropy,
-                         micro.ref_log_probs, clip_ratio_low=actor.clip_ratio_low,
-                         clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
-                         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
-                         kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
-                         loss_agg_mode=actor.loss_agg_mode, normalizer=normalizer,
-                         policy_loss=actor.policy_loss.loss_mode)
+        out = configured_actor_loss(log_probs, entropy, micro, actor, normalizer)
         return out.loss, out.metrics
 
     return _accumulated_step(graphdef, tx, num_micro_batches, loss_fn, "actor", actor.optim.lr if lr is None else lr,

@@ -42,7 +42,9 @@ def test_v2_switch_sets_ragen2_base_defaults():
 def test_main_table_rows_follow_the_run_script():
     assert len(MAIN_TABLE_PRESETS) == 4 * 4 * 2
     ppo, dapo = load_config("v2-sokoban-ppo-filter"), load_config("v2-sokoban-dapo-filter")
-    assert changed(ppo, dapo) == []  # RAGEN-2's DAPO overrides restate the defaults (ragen2.md §9.1, derived)
+    # RAGEN-2's DAPO overrides restate the defaults (ragen2.md §9.1, derived): only an unused KL coefficient differs
+    assert changed(ppo, dapo) == ["actor_rollout_ref.actor.kl_loss_coef"] and not dapo.actor_rollout_ref.actor.use_kl_loss
+    assert not ppo.actor_rollout_ref.actor.use_kl_loss and not ppo.needs_ref_log_prob and not dapo.needs_ref_log_prob
     grpo, dr = load_config("v2-frozenlake-grpo-nofilter"), load_config("v2-frozenlake-drgrpo-nofilter")
     assert changed(grpo, dr) == ["actor_rollout_ref.actor.loss_agg_mode", "algorithm.norm_adv_by_std_in_grpo"]
     assert (dr.algorithm.adv_estimator, dr.actor_rollout_ref.actor.loss_agg_mode) == ("grpo", "seq-mean-token-sum")

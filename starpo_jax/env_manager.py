@@ -151,7 +151,7 @@ def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: 
     turn.llm_response, turn.reward = llm_response, reward_text(step_rewards)
     slot.turn_rewards.append(step_rewards)
     slot.turn_raw_rewards.append(raw_rewards)
-    slot.turn_infos.append(info)
+    slot.turn_infos.append({**info, "raw_reward": float(sum(raw_rewards))} if "raw_reward" in info else info)
     if done:
         slot.terminated, slot.truncated = True, not info.get("success", False)
     elif slot.num_actions >= slot.env.max_actions_per_traj:
@@ -172,20 +172,34 @@ def apply_context_window(slot: Slot, window: int) -> None:
         del slot.turn_raw_rewards[:dropped]
 
 
+def turn_averages(turn_infos: list[dict]) -> dict[str, float]:
+    """Each numeric info key but ``success`` summed over the turns and divided by their number (a turn without the
+    key adds 0), as RAGEN-2's ``es_manager``; a turn's info is its last action's, with ``raw_reward`` summed over
+    its actions. The V1 flags ``action_is_effective`` / ``action_is_valid`` are always there; non-numbers are
+    skipped."""
+    infos = turn_infos or [{}]
+    names = dict.fromkeys(("action_is_effective", "action_is_valid", *(k for i in infos for k in i)))
+    names.pop("success", None)
+    out = {}
+    for name in names:
+        values = [i.get(name, 0.0) for i in infos]
+        if all(isinstance(v, (bool, int, float)) for v in values):
+            out[name] = sum(float(v) for v in values) / len(infos)
+    return out
+
+
 def slot_metrics(slot: Slot) -> dict[str, float]:
     """RAGEN's per-trajectory env metrics (starpo.md §19, ragen2.md §6.8).
 
-    ``success``, ``num_actions`` and the turn-averaged ``action_is_effective`` / ``action_is_valid``;
+    ``success``, ``num_actions`` and the ``turn_averages`` of the turns' infos;
     ``episodic_return``, the sum over executed actions of ``info["raw_reward"]`` (the step reward where the
     environment reports none); ``final_score``, the last ``info["score"]`` (2048's running score), when some
     step reported one; and the environment's ``episode_metrics`` of its final state (2048's ``max_tile``).
     """
-    infos = slot.turn_infos or [{}]
     metrics = {
         "success": float(slot.success),
         "num_actions": float(slot.num_actions),
-        "action_is_effective": sum(float(i.get("action_is_effective", False)) for i in infos) / len(infos),
-        "action_is_valid": sum(float(i.get("action_is_valid", False)) for i in infos) / len(infos),
+        **turn_averages(slot.turn_infos),
         "episodic_return": float(sum(r for turn in slot.turn_raw_rewards for r in turn)),
     }
     if slot.final_score is not None:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from envs.text_states import make_piece
 from envs.tokens import parse_tokens
 from runtime.mesh import batch_sharding
-from starpo_jax.env_manager import Slot
+from starpo_jax.env_manager import Slot, turn_averages
 from starpo_jax.fused_tables import EnvTables, build_env_tables
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import KVCache, cache_shardings, init_cache
@@ -61,6 +61,7 @@ class FusedEpisode(NamedTuple):
     step_rewards: jax.Array  # [B, max_actions_per_traj] float32, in execution order
     step_raw_rewards: jax.Array  # [B, max_actions_per_traj] float32 info["raw_reward"], NaN where none
     turn_scores: jax.Array  # [B, max_turn] float32, each played turn's summed reward (0 after the last)
+    turn_actions: jax.Array  # [B, max_turn] int32, the actions each turn executed
     num_actions: jax.Array
     num_penalties: jax.Array
     num_turns: jax.Array
@@ -68,7 +69,7 @@ class FusedEpisode(NamedTuple):
     num_effective: jax.Array
     terminated: jax.Array
     truncated: jax.Array
-    final_score: jax.Array  # [B] float32 the last info["score"], NaN where no step reported one
+    step_scores: jax.Array  # [B, max_actions_per_traj] float32 info["score"], NaN where none
     overflow: jax.Array  # some turn's prompt exceeded max_model_len
     env_metrics: tuple = ()  # per block: TextEnvironment.episode_metrics of the final states
 
@@ -124,7 +125,7 @@ class _Loop(NamedTuple):
     episode: FusedEpisode
 
 
-def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, step_rewards, raw_rewards, score,
+def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, step_rewards, raw_rewards, scores,
                   active):
     """``run_turn``'s execution: the parsed valid actions in order, stopping at ``done``."""
     env, rewards = tables.env, tables.rewards
@@ -132,7 +133,8 @@ def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, ste
     rows = jnp.arange(action_ids.shape[0])
 
     def one(carry, action):
-        state, count, total, running, done, success, valid, effective, stepped, reward_buffer, raw_buffer, score = carry
+        (state, count, total, running, done, success, valid, effective, stepped, reward_buffer, raw_buffer,
+         score_buffer) = carry
         run = running & (action >= 0)
         keys = jax.vmap(jax.random.fold_in)(block.keys, count + 1)
         _, new_state, reward, new_done, info = step(keys, state, jnp.maximum(action, 0), tables.params)
@@ -142,16 +144,16 @@ def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, ste
         raw = info.get("raw_reward", jnp.full_like(reward, jnp.nan))
         raw_buffer = raw_buffer.at[rows, column].set(raw.astype(jnp.float32), mode="drop")
         if "score" in info:
-            score = jnp.where(run, info["score"].astype(jnp.float32), score)
+            score_buffer = score_buffer.at[rows, column].set(info["score"].astype(jnp.float32), mode="drop")
         return (_where(run, new_state, state), count + run, jnp.where(run, rewards.next_total[total, value], total),
                 running & ~(run & new_done), jnp.where(run, new_done, done),
                 jnp.where(run, info["success"], success), jnp.where(run, info["action_is_valid"], valid),
                 jnp.where(run, info["action_is_effective"], effective), stepped | run, reward_buffer, raw_buffer,
-                score), None
+                score_buffer), None
 
     false = jnp.zeros_like(active)
     init = (block.env_state, num_actions, jnp.zeros_like(num_actions), active, false, false, false, false, false,
-            step_rewards, raw_rewards, score)
+            step_rewards, raw_rewards, scores)
     return jax.lax.scan(one, init, action_ids.T)[0]
 
 
@@ -222,15 +224,16 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
             on = active[lo:hi]
             warned.append(jnp.where(on, parsed.num_valid == 0, s.warned[lo:hi]))
             (state, count, total, _, done, success, valid, effective, stepped, rewards, raw_rewards,
-             score) = _play_actions(t, b, parsed.action_ids, e.num_actions[lo:hi], e.step_rewards[lo:hi],
-                                    e.step_raw_rewards[lo:hi], e.final_score[lo:hi], on)
+             scores) = _play_actions(t, b, parsed.action_ids, e.num_actions[lo:hi], e.step_rewards[lo:hi],
+                                     e.step_raw_rewards[lo:hi], e.step_scores[lo:hi], on)
             blocks.append(_Block(b.keys, state, jnp.where(on, total, b.reward_total)))
             done_now = on & done
             out_of_budget = on & ~done & (count >= t.env.max_actions_per_traj)
             turn_scores = e.turn_scores[lo:hi].at[:, s.turn].set(jnp.where(on, t.rewards.totals[total], 0.0))
+            turn_actions = e.turn_actions[lo:hi].at[:, s.turn].set(jnp.where(on, count - e.num_actions[lo:hi], 0))
             columns.append(dict(
-                step_rewards=rewards, step_raw_rewards=raw_rewards, final_score=score, turn_scores=turn_scores,
-                num_actions=count,
+                step_rewards=rewards, step_raw_rewards=raw_rewards, step_scores=scores, turn_scores=turn_scores,
+                turn_actions=turn_actions, num_actions=count,
                 num_penalties=e.num_penalties[lo:hi] + (on & parsed.format_penalty),
                 num_turns=e.num_turns[lo:hi] + on, num_valid=e.num_valid[lo:hi] + (on & stepped & valid),
                 num_effective=e.num_effective[lo:hi] + (on & stepped & effective),
@@ -255,8 +258,9 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                                jnp.full((batch, cache.max_length), jnp.nan, jnp.float32),
                                jnp.zeros((batch, max_budget), jnp.float32),
                                jnp.full((batch, max_budget), jnp.nan, jnp.float32),
-                               jnp.zeros((batch, settings.max_turn), jnp.float32), zeros, zeros, zeros, zeros, zeros,
-                               false, false, jnp.full(batch, jnp.nan, jnp.float32), jnp.bool_(False))
+                               jnp.zeros((batch, settings.max_turn), jnp.float32),
+                               jnp.zeros((batch, settings.max_turn), jnp.int32), zeros, zeros, zeros, zeros, zeros,
+                               false, false, jnp.full((batch, max_budget), jnp.nan, jnp.float32), jnp.bool_(False))
         state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), false, tuple(blocks), episode)
         final = jax.lax.while_loop(lambda s: (s.turn < settings.max_turn) & jnp.any(~s.episode.terminated),
                                    lambda s: turn_body(params, key, s), state)
@@ -274,6 +278,21 @@ def _finished_slot() -> Slot:
     """A slot whose last response is answered: its training text ends the trajectory."""
     answered = Turn("s", 1, "<think></think><answer></answer>", "Reward:\n0\n")
     return Slot(types.SimpleNamespace(max_tokens=100), 0, 0, "p", [answered, Turn("s", 0)])
+
+
+def _turn_infos(raw: list[float], scores: np.ndarray, turn_actions: np.ndarray) -> list[dict[str, float]]:
+    """The numeric info keys ``run_turn`` keeps per turn (``raw_reward`` summed, the last ``score``) from the
+    per-action buffers, for ``turn_averages``; the V1 flags come from the episode's counters."""
+    infos, start = [], 0
+    for count in map(int, turn_actions):
+        end, info = start + count, {}
+        if count and not np.isnan(raw[end - 1]):
+            info["raw_reward"] = float(sum(raw[start:end]))
+        if count and not np.isnan(scores[end - 1]):
+            info["score"] = float(scores[end - 1])
+        infos.append(info)
+        start = end
+    return infos
 
 
 class FusedOutput(NamedTuple):
@@ -316,13 +335,15 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
         penalties.append(penalty)
         turns = max(int(episode.num_turns[i]), 1)
         raw = [float(episode.step_raw_rewards[i, k]) for k in executed]
+        reported = [float(episode.step_scores[i, k]) for k in executed if not np.isnan(episode.step_scores[i, k])]
         row = {"success": float(episode.terminated[i] and not episode.truncated[i]),
                "num_actions": float(episode.num_actions[i]),
+               **turn_averages(_turn_infos(raw, episode.step_scores[i], episode.turn_actions[i, :turns])),
                "action_is_effective": int(episode.num_effective[i]) / turns,
                "action_is_valid": int(episode.num_valid[i]) / turns,
                "episodic_return": float(sum(r if r == r else v for r, v in zip(raw, rewards)))}  # NaN: no raw_reward
-        if not np.isnan(episode.final_score[i]):
-            row["final_score"] = float(episode.final_score[i])
+        if reported:
+            row["final_score"] = reported[-1]
         row.update({name: float(v[i - starts[tag]]) for name, v in episode.env_metrics[tag].items()})
         metrics.append(row)
     turn_scores = ([row[:n] for row, n in zip(episode.turn_scores, episode.num_turns)]

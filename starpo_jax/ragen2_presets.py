@@ -1,6 +1,7 @@
 """RAGEN-2's task configs (``config/_2_sokoban.yaml`` … ``_10_rubikscube.yaml``, ragen2.md §7-8) as presets.
 
-Each set is the V2 base's agent limits (``max_turn`` 5, ``max_actions_per_turn`` 2) plus the task's own keys;
+Each set is the V2 base's agent limits (``max_turn`` 5, ``max_actions_per_turn`` 2) and RAGEN-2's prompt layout
+(``agent_proxy.prompt_layout=v2``; ``context_window_mode`` stays ``full``) plus the task's own keys;
 ``starpo_jax.presets`` composes them with an algorithm as ``v2-{task}-{algorithm}``. ``max_context_window``
 settings of the 2048 and cube configs are left out: under ``context_window_mode: full`` they have no effect
 (ragen2.md §7.3). Service tasks (WebShop, search, Lean, DeepCoder) need their data or servers and have no
@@ -39,7 +40,8 @@ def with_env_config(tag: str, **env_config) -> Preset:
 
 
 # Every RAGEN-2 preset defines all of RAGEN-2's new tags (``launch.evaluate --envs`` may name any of them).
-V2_BASE = define_tags(RAGEN2_ENVS) + Preset({"agent_proxy.max_turn": 5, "agent_proxy.max_actions_per_turn": 2})
+V2_BASE = define_tags(RAGEN2_ENVS) + Preset({"agent_proxy.max_turn": 5, "agent_proxy.max_actions_per_turn": 2,
+                                             "agent_proxy.prompt_layout": "v2"})
 
 
 def tags(*names: str) -> Preset:

@@ -59,7 +59,8 @@ def test_fused_equals_host_on_2048_the_cube_and_coord_sokoban(setup):
     assert "Current 2048 Grid:" in text and text.count("<|im_start|>assistant\n<think>") >= 2
     assert np.mean([m["action_is_valid"] for m in out.metrics]) > 0
     assert "Max response length: 50 words (tokens)." in text  # Short2048's own max_tokens, not game_2048's 8192
-    assert {"episodic_return", "max_tile", "final_score"} <= set(out.metrics[0]) and "max_tile" not in out.metrics[2]
+    assert {"episodic_return", "max_tile", "final_score", "raw_reward", "score"} <= set(out.metrics[0])
+    assert "max_tile" not in out.metrics[2]
 
 
 def test_coordinate_observations_and_v2_bandit_are_host_only(setup):

@@ -59,6 +59,16 @@ def test_episodic_return_max_tile_and_final_score_of_a_hand_played_game(played):
     assert slot.score == pytest.approx(sum(0.1 * np.log2(r + 1) for r in raws if r > 0))
 
 
+def test_info_keys_are_averaged_over_turns_as_ragen2(played):
+    slot, _, raws, infos = played
+    metrics = slot_metrics(slot)
+    last = np.cumsum([len(actions) for actions in TURNS]) - 1  # each turn's info is its last action's
+    assert metrics["raw_reward"] == pytest.approx(sum(raws) / len(TURNS))  # a turn's raw rewards summed
+    assert metrics["score"] == pytest.approx(sum(infos[i]["score"] for i in last) / len(TURNS))
+    assert metrics["action_is_valid"] == pytest.approx(np.mean([infos[i]["action_is_valid"] for i in last]))
+    assert "success" in metrics and metrics["success"] in (0.0, 1.0)
+
+
 def test_trainer_logs_them_per_tag_with_ragens_reduction(played):
     slot, *_ = played
     rows = [slot_metrics(slot), {**slot_metrics(slot), "max_tile": 2.0, "episodic_return": 0.0},

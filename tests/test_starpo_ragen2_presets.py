@@ -71,3 +71,10 @@ def test_intervention_and_slipper_sweeps():
                                                      "actor_rollout_ref.rollout.rollout_filter_value"]
     assert filtered.actor_rollout_ref.rollout.rollout_filter_top_p_prob_mode == "softmax"
     assert filtered.custom_envs["CoordFrozenLake"].env_config["success_rate"] == 0.8
+
+
+def test_ragen2_presets_use_ragen2s_prompt_layout():
+    for name in ("v2", "v2-frozenlake-slipper10-filter", "v2-2048-starpo-grpo"):
+        config = presets.load_config(name)
+        assert config.agent_proxy.prompt_layout == "v2" and config.agent_proxy.context_window_mode == "full", name
+    assert presets.load_config("starpo-s-grpo").agent_proxy.prompt_layout == "v1"

@@ -37,12 +37,18 @@ class Chip:
     source: str
 
 
-# Google Cloud's TPU system-architecture pages (chip specification tables), read December 2026.
+# Google Cloud's TPU system-architecture pages, "key specifications" tables (read 6 Dec 2026 through the
+# project's search tool): peak bf16 compute per chip, HBM capacity and bandwidth per chip. v4 and v5p chips
+# hold two TensorCores; libtpu exposes v4's as two devices (``Slice.devices_per_chip``), v5p's as one.
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("TPU v4", 275e12, 32 * 2**30, 1228e9, "cloud.google.com/tpu/docs/v4"),
-    "v5e": Chip("TPU v5e", 197e12, 16e9, 819e9, "cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip("TPU v5p", 459e12, 95e9, 2765e9, "cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip("TPU v6e", 918e12, 32e9, 1640e9, "cloud.google.com/tpu/docs/v6e"),
+    "v4": Chip("TPU v4", 275e12, 32 * 2**30, 1200e9,
+               "cloud.google.com/tpu/docs/v4: 275 teraflops bf16, HBM2 32 GiB, 1200 GBps"),
+    "v5e": Chip("TPU v5e", 197e12, 16e9, 819e9,
+                "cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16, HBM2 16 GB, 819 GBps"),
+    "v5p": Chip("TPU v5p", 459e12, 95e9, 2765e9,
+                "cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, HBM2e 95 GB (95 GiB in a later revision), 2765 GBps"),
+    "v6e": Chip("TPU v6e", 918e12, 32e9, 1638e9,
+                "cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, HBM 32 GB, 1638 GBps"),
 }
 TOPOLOGY_PATTERN = re.compile(r"^(v4|v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?$")
 TOPOLOGY_HELP = ("a TPU generation and chip grid: v5e:2x4 (v5e-8), v5e:4x4, v5e:16x16 (v5e-256), v6e:2x4, "

@@ -1,6 +1,7 @@
 """TPU ahead-of-time compilation (libtpu, no TPU): the project's programs compile for v5e:2x4 with their shardings."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from launch import compile as aot_compile
+from launch.compile_measure import Row, device_bytes
+from launch.compile_record import entry, grid, record
+from launch.compile_report import fits
+from launch.compile_starpo import Batches, run_batches, shrink_micro_batches, starpo_programs
+from launch.compile_suggest import mesh_candidates, search_order, suggest
+from launch.compile_tdd import tdd_programs
+from launch.tdd_run import DISTIL_PRESETS
 from runtime import aot
 from runtime.mesh import MeshConfig
 from starpo_jax.models.config import TransformerConfig
@@ -43,8 +51,7 @@ def test_slice_description_and_roofline(v5e):
 def test_starpo_programs_compile_for_tpu_with_real_shardings(v5e):
     tpu, mesh = v5e
     config = load_config("tiny")
-    programs, resident = aot_compile.starpo_programs(TINY_LM, config, mesh, micro_batches=1, rows=4,
-                                                     log_prob_rows=8, prompt_length=16)
+    programs, resident = starpo_programs(TINY_LM, config, mesh, batches=Batches(4, 1, 4, 1, 8), prompt_length=16)
     assert {"actor step", "critic step", "sampler"} <= set(programs)
     for name in ("actor step", "critic step", "sampler"):
         program = programs[name]
@@ -54,14 +61,14 @@ def test_starpo_programs_compile_for_tpu_with_real_shardings(v5e):
         embed = program.args[0]
         embed = (embed.params if hasattr(embed, "params") else embed)["model"]["embed_tokens"]
         assert tuple(embed.sharding.spec) == ("tensor", "fsdp") and embed.sharding.mesh.devices.flat[0].platform == "tpu"
-    assert aot_compile.device_bytes(resident) > 0
+    assert device_bytes(resident) > 0
 
 
 def test_tdd_step_compiles_for_tpu(v5e):
     tpu, mesh = v5e
-    run = aot_compile.DISTIL_PRESETS["tiny"]
+    run = DISTIL_PRESETS["tiny"]
     run = type(run)(**{**run.__dict__, "resolution": 32})
-    programs, _ = aot_compile.tdd_programs(TINY_UNET, (4, 32, None), run, mesh, micro_batches=1, batch=8)
+    programs, _ = tdd_programs(TINY_UNET, (4, 32, None), run, mesh, micro_batches=1, batch=8)
     program = programs["distill step"]
     with jax.set_mesh(mesh):
         measured = aot.measure(program.fn.lower(*program.args).compile())
@@ -117,3 +124,62 @@ def test_cost_copies_count_every_block_of_chunked_log_probs_and_attention():
     whole = flops(False, 0)
     assert flops(False, 8) == pytest.approx(whole, rel=0.02)
     assert flops(True, 8) < 0.5 * whole
+
+
+def test_critic_is_compiled_with_its_own_mini_and_micro_batches(v5e):
+    """The critic step and the value pass split the critic's mini-batch into the critic's micro-batches, the
+    actor step and the log-prob pass the actor's (``starpo_jax.iteration.build_learner``)."""
+    _, mesh = v5e  # 4 data-parallel devices
+    config = load_config("tiny", ["ppo_mini_batch_size=8", "micro_batch_size_per_gpu=2",
+                                  "critic.ppo_micro_batch_size_per_gpu=1"])
+    batches = run_batches(config, mesh)
+    assert batches == (8, 1, 8, 2, 8)
+    assert batches.one_micro_batch() == (Batches(8, 1, 8, 2, 8), Batches(8, 1, 4, 1, 4))
+    programs, _ = starpo_programs(TINY_LM, config, mesh, batches=batches, prompt_length=4)
+    length = config.actor_rollout_ref.rollout.max_model_len
+    with jax.set_mesh(mesh):
+        text = {name: programs[name].fn.lower(*programs[name].args).as_text() for name in ("actor step", "critic step")}
+    assert f"tensor<2x4x{length}xi32>" in text["critic step"] and f"tensor<1x8x{length}xi32>" in text["actor step"]
+    assert shrink_micro_batches(config, 2) is None  # the critic's micro-batch of 1 row does not halve
+    smaller = shrink_micro_batches(load_config("tiny", ["ppo_mini_batch_size=8", "micro_batch_size_per_gpu=2"]), 2)
+    assert run_batches(smaller, mesh)[:4] == (8, 2, 8, 2)
+
+
+def _rows(gb: float) -> list[Row]:
+    return [Row("step", aot.Measure(0.0, 0.0, gb * 1e9, gb * 1e9, 0.0, 0.0), 0.0, 0.0, 1)]
+
+
+def test_suggest_searches_meshes_then_remat_then_micro_batches(v5e):
+    """Every mesh first, then remat, then smaller micro-batches; configurations the run cannot use are skipped."""
+    tpu, _ = v5e
+    assert [(m.data, m.fsdp, m.tensor) for m in mesh_candidates(4)] == [
+        (1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4)]
+    assert search_order(remat_given=False) == [(False, 1), (True, 1), (True, 2), (True, 4)]
+    assert search_order(remat_given=True) == [(True, 1), (True, 2), (True, 4)]
+    tried = []
+
+    def measure(mesh, remat, shrink):  # 300 GB split over FSDP, halved by remat and by each halving of the micro-batch
+        tried.append((mesh.data, mesh.fsdp, mesh.tensor, remat, shrink))
+        if mesh.tensor > 2:
+            raise ValueError("14 heads")
+        return _rows(300 / mesh.fsdp / (2 if remat else 1) / shrink), 0.0
+
+    assert suggest(measure, tpu, max_tries=100) == "fits: --mesh 1,8,1 remat=True with micro-batches 2x smaller"
+    assert tried[0] == (1, 8, 1, False, 1) and len({t[:3] for t in tried}) == len(mesh_candidates(8))
+    assert suggest(measure, tpu, max_tries=3).startswith("no fitting configuration among the 3 tried")
+    assert suggest(lambda mesh, remat, shrink: (_rows(1.0), 0.0), tpu, 1) == "fits: --mesh 1,8,1"
+    assert fits(_rows(16.0), 0.0, tpu) and not fits(_rows(15.0), 1.1e9, tpu)
+
+
+def test_recorded_results_make_the_readme_grid(v5e, tmp_path):
+    tpu, _ = v5e
+    rows = [Row("actor step", aot.Measure(1e9, 0.0, 2e9, 3e9, 0.0, 0.0), 197e12, 819e9 / 2, 2)]
+    path = tmp_path / "results.json"
+    for _ in range(2):  # a rerun replaces its entry
+        record(path, entry(["starpo", "--model", "Qwen2.5-0.5B"], "StarPO, 0.5B", rows, 1e9, tpu, 7.0, 1))
+    table = grid(json.loads(path.read_text()))
+    assert table.count("python -m launch.compile starpo --model Qwen2.5-0.5B") == 1
+    # 2 runs of 1 s at the roofline (compute-bound: MFU bound 100 %); peak 4 GB of 16 (25 %)
+    assert "| StarPO, 0.5B | **fits**: resident 1.00, peak 4.00 GB (actor step, 25 %); iteration 2.0 s at the " \
+           "roofline, MFU bound 100 %; 7 s |" in table
+

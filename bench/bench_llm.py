@@ -24,6 +24,7 @@ from runtime.mesh import MeshConfig, make_mesh
 from starpo_jax.models.hf_io import load_pretrained
 from starpo_jax.models.kv_cache import init_cache
 from starpo_jax.sampler import SamplerConfig, make_sampler
+from starpo_jax.steps import model_token_log_probs
 
 
 def build_pair(args, folder):
@@ -72,11 +73,12 @@ def bench_generation(peer, ours, args):
 
 
 def loss_function(graphdef):
-    """Mean log-likelihood of tokens 1..L-1, as the PyTorch side computes it (log-softmax, then gather)."""
+    """Mean log-likelihood of tokens 1..L-1 through our trainer's log-prob path (``steps.model_token_log_probs``).
+
+    The same quantity as the PyTorch side's log-softmax and gather, computed as our actor step computes it.
+    """
     def loss_fn(params, tokens, mask):
-        logits, _ = nnx.merge(graphdef, params)(tokens, mask)
-        log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        return jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+        return jnp.mean(model_token_log_probs(nnx.merge(graphdef, params), tokens, mask, 1.0)[0])
 
     return loss_fn
 

@@ -97,7 +97,9 @@ LOG_PROB_CHUNK = 256
 def _target_log_probs(logits: jax.Array, targets: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
     """Log-probabilities of ``targets`` and entropies under ``softmax(logits / T)`` (aligned positions)."""
     scaled = logits.astype(jnp.float32) / temperature
-    log_probs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), targets[..., None], axis=-1)[..., 0]
+    # z[target] - logsumexp(z) = log_softmax(z)[target] without the [..., vocab] log-softmax and its gather's
+    # scatter in the backward (1.2x faster forward + backward on XLA:CPU, bench/README.md).
+    log_probs = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(scaled, axis=-1)
     return log_probs, entropy_from_logits(scaled)
 
 

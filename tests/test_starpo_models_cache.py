@@ -10,7 +10,7 @@ from flax import nnx
 
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import init_cache, segment_positions
-from starpo_jax.models.transformer import CausalLM
+from starpo_jax.models.transformer import CausalLM, attend
 from starpo_hf_fixtures import numpy_initialised
 
 CONFIG = TransformerConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -99,3 +99,23 @@ def test_query_chunked_attention_equals_full_attention_with_gradients():
     np.testing.assert_allclose(np.asarray(logits_c)[valid], np.asarray(logits)[valid], atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_only_the_cpu_lowering_uses_the_cpu_attention():
+    """``attend`` without ``chunk``: the CPU lowering runs ``runtime.cpu_attention`` (loops), a TPU lowering keeps
+    ``dot_product_attention`` with the same FLOPs and bytes."""
+    q = jax.ShapeDtypeStruct((2, 64, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 64, 2, 8), jnp.float32)
+    mask = jax.ShapeDtypeStruct((2, 1, 64, 64), jnp.bool_)
+
+    def lowered(platform, fn):
+        grad = jax.grad(lambda q, k, v, m: jnp.sum(fn(q, k, v, m) ** 2), argnums=(0, 1, 2))
+        return jax.jit(grad).trace(q, kv, kv, mask).lower(lowering_platforms=(platform,))
+
+    whole = lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m)  # noqa: E731
+    assert "stablehlo.while" in lowered("cpu", attend).as_text()
+    tpu = lowered("tpu", attend)
+    assert "stablehlo.while" not in tpu.as_text()
+    want = lowered("tpu", whole).cost_analysis()
+    assert {k: tpu.cost_analysis()[k] for k in ("flops", "bytes accessed")} == {
+        k: want[k] for k in ("flops", "bytes accessed")}

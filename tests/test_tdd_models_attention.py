@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tdd_jax.models.attention import chunked_attention, multi_head_attention, query_chunk
+from runtime.cpu_attention import chunked_attention, query_chunk
+from tdd_jax.models.attention import multi_head_attention
 
 
 def _inputs(b=2, lq=64, lk=48, h=2, d=4):
@@ -23,10 +24,22 @@ def _loss(attend):  # a non-linear function of the output, so that dK and dV see
 def test_chunked_attention_matches_dot_product_attention(chunk):
     q, k, v = _inputs()
     want = jax.nn.dot_product_attention(q, k, v)
-    np.testing.assert_allclose(chunked_attention(q, k, v, chunk), want, rtol=1e-5, atol=1e-6)
-    grads = jax.grad(_loss(lambda *a: chunked_attention(*a, chunk)), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(chunked_attention(q, k, v, None, chunk), want, rtol=1e-5, atol=1e-6)
+    grads = jax.grad(_loss(lambda *a: chunked_attention(*a, None, chunk)), argnums=(0, 1, 2))(q, k, v)
     want_grads = jax.grad(_loss(jax.nn.dot_product_attention), argnums=(0, 1, 2))(q, k, v)
     for got, ref in zip(grads, want_grads):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_masked_chunked_attention_matches_dot_product_attention():
+    q, k, v = _inputs(lq=32, lk=32)
+    mask = np.tril(np.ones((32, 32), bool))[None, None] & np.ones((2, 1, 1, 1), bool)
+    mask[1, :, :, :5] = False  # left padding of row 1: its first 5 queries see no key at all (uniform weights)
+    attend = {"ours": lambda *a: chunked_attention(*a, jnp.asarray(mask), 8),
+              "reference": lambda *a: jax.nn.dot_product_attention(*a, mask=jnp.asarray(mask))}
+    np.testing.assert_allclose(attend["ours"](q, k, v), attend["reference"](q, k, v), rtol=1e-5, atol=1e-6)
+    grads = {name: jax.grad(_loss(fn), argnums=(0, 1, 2))(q, k, v) for name, fn in attend.items()}
+    for got, ref in zip(grads["ours"], grads["reference"]):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 

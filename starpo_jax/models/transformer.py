@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from runtime.cpu_attention import chunked_attention, query_chunk
 from runtime.sharding import constrain
 from starpo_jax.models import kv_cache
 from starpo_jax.models.config import TransformerConfig
@@ -30,11 +31,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int
 
     Each block is rematerialised in the backward pass, so only one block's ``[B, H, chunk, S]`` scores
     are ever live instead of all ``[B, H, T, S]``; every query row's softmax is the same as unblocked.
+    Without ``chunk``, a segment of several tokens lowered for the CPU runs ``_cpu_attention`` instead
+    (``lax.platform_dependent``: other platforms' programs keep ``dot_product_attention``).
     ``unroll`` unrolls the loop over blocks (for XLA's cost analysis, which counts a loop body once).
     """
     t = q.shape[1]
     if not chunk or t <= chunk:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+        if t == 1:  # one decode step
+            return jax.nn.dot_product_attention(q, k, v, mask=mask)
+        return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attention,
+                                          default=lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m))
     blocks = -(-t // chunk)
     pad = blocks * chunk - t
     q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -46,6 +52,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int
     _, out = jax.lax.scan(lambda _, block: (None, one(block)), None, (q_blocks, mask_blocks), unroll=unroll)
     out = jnp.moveaxis(out, 0, 1)
     return out.reshape(out.shape[0], blocks * chunk, *out.shape[3:])[:, :t]
+
+
+def _cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """``runtime.cpu_attention.chunked_attention`` with the key/value heads repeated for their query groups.
+
+    Computed in float32 (``dot_product_attention``'s softmax is float32 too).
+    """
+    groups = q.shape[2] // k.shape[2]
+    f32 = [x.astype(jnp.float32) for x in (q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2))]
+    chunk = query_chunk(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    return chunked_attention(*f32, mask, chunk).astype(q.dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -2,86 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from runtime.cpu_attention import chunked_attention, query_chunk
 from tdd_jax.models.layers import Linear
-
-# Scores per query chunk on the CPU: B * H * chunk * L_k floats (2 MiB), about one core's L2 cache.
-CPU_CHUNK_SCORES = 2**19
-# Fewest query rows per chunk, so that large batches do not loop over single rows.
-MIN_CHUNK = 16
-
-
-def query_chunk(batch: int, heads: int, q_len: int, k_len: int, target: int = CPU_CHUNK_SCORES) -> int:
-    """The largest divisor of ``q_len`` not above ``max(MIN_CHUNK, target / (batch * heads * k_len))``."""
-    limit = max(MIN_CHUNK, target // (batch * heads * k_len))
-    return max(c for c in range(1, q_len + 1) if q_len % c == 0 and c <= limit)
-
-
-def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """(B, L, H, d) -> (L / chunk, B, H, chunk, d)."""
-    b, l, h, d = x.shape
-    return x.reshape(b, l // chunk, chunk, h, d).transpose(1, 0, 3, 2, 4)
-
-
-def _unchunk(x: jax.Array) -> jax.Array:
-    """(L / chunk, B, H, chunk, d) -> (B, L, H, d)."""
-    n, b, h, c, d = x.shape
-    return x.transpose(1, 0, 3, 2, 4).reshape(b, n * c, h, d)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
-    """softmax(Q K^T / sqrt(d)) V on (B, L, H, d), ``chunk`` query rows at a time (Dao 2023, Alg. 1-2).
-
-    The forward keeps only the output and each row's log-sum-exp; the backward recomputes each
-    chunk's probabilities from them and accumulates dK and dV over the chunks. XLA:CPU otherwise
-    materialises all B x H x L_q x L_k scores and probabilities (and transposes them for the
-    backward), which then run from main memory instead of cache.
-    """
-    return _chunked_forward(q, k, v, chunk)[0]
-
-
-def _chunked_forward(q, k, v, chunk):
-    scale = q.shape[-1] ** -0.5
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-    def one(qc):
-        s = jnp.einsum("bhqd,bhkd->bhqk", qc, kh) * scale
-        m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
-        p = jnp.exp(s - m)
-        total = p.sum(-1, keepdims=True)
-        return jnp.einsum("bhqk,bhkd->bhqd", p, vh) / total, (m + jnp.log(total))[..., 0]
-
-    out, lse = jax.lax.map(one, _chunks(q, chunk))
-    return _unchunk(out), (q, k, v, out, lse)
-
-
-def _chunked_backward(chunk, residuals, grad):
-    q, k, v, out, lse = residuals
-    scale = q.shape[-1] ** -0.5
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    grad = _chunks(grad, chunk)
-    delta = jnp.sum(grad * out, -1)  # rowsum(dO * O) = rowsum(P * dP)
-
-    def body(carry, xs):  # in the transposed domain (keys x queries): every product but dQ's is a plain matmul
-        dk, dv = carry
-        qc, gc, lse_c, delta_c = xs
-        p_t = jnp.exp(jnp.einsum("bhkd,bhqd->bhkq", kh, qc) * scale - lse_c[..., None, :])
-        dv = dv + jnp.einsum("bhkq,bhqd->bhkd", p_t, gc)
-        ds_t = p_t * (jnp.einsum("bhkd,bhqd->bhkq", vh, gc) - delta_c[..., None, :]) * scale
-        dk = dk + jnp.einsum("bhkq,bhqd->bhkd", ds_t, qc)
-        return (dk, dv), jnp.einsum("bhkq,bhkd->bhqd", ds_t, kh)
-
-    (dk, dv), dq = jax.lax.scan(body, (jnp.zeros_like(kh), jnp.zeros_like(vh)), (_chunks(q, chunk), grad, lse, delta))
-    return _unchunk(dq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
-
-
-chunked_attention.defvjp(_chunked_forward, _chunked_backward)
 
 
 def multi_head_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_heads: int, *,
@@ -102,7 +28,7 @@ def multi_head_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_heads: in
     else:
         def cpu(q, k, v):  # float32 throughout, as dot_product_attention's softmax
             f32 = [t.astype(jnp.float32) for t in (q, k, v)]
-            return chunked_attention(*f32, chunk).astype(q.dtype)
+            return chunked_attention(*f32, None, chunk).astype(q.dtype)
 
         out = jax.lax.platform_dependent(q, k, v, cpu=cpu, default=jax.nn.dot_product_attention)
     return out.reshape(out.shape[0], out.shape[1], -1)

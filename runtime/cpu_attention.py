@@ -1,0 +1,108 @@
+"""Attention for XLA:CPU in query chunks with a FlashAttention-2 backward (Dao 2023, Alg. 1-2).
+
+XLA:CPU materialises all ``B x H x L_q x L_k`` scores and probabilities of ``jax.nn.dot_product_attention``,
+keeps them for the backward and transposes them there (it sends a matmul contracting the leading axis of
+both operands to Eigen on a transposed copy). ``chunked_attention`` keeps only the output and each row's
+log-sum-exp, and its backward recomputes each chunk's probabilities in the keys x queries orientation, where
+every product but dQ's is a plain matmul. The UNet (``tdd_jax.models.attention``) and the decoder
+(``starpo_jax.models.transformer``) select it only when lowering for the CPU (``lax.platform_dependent``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# Scores per query chunk on the CPU: B * H * chunk * L_k floats (2 MiB), about one core's L2 cache.
+CPU_CHUNK_SCORES = 2**19
+# Fewest query rows per chunk, so that large batches do not loop over single rows.
+MIN_CHUNK = 16
+
+
+def query_chunk(batch: int, heads: int, q_len: int, k_len: int, target: int = CPU_CHUNK_SCORES) -> int:
+    """The largest divisor of ``q_len`` not above ``max(MIN_CHUNK, target / (batch * heads * k_len))``."""
+    limit = max(MIN_CHUNK, target // (batch * heads * k_len))
+    return max(c for c in range(1, q_len + 1) if q_len % c == 0 and c <= limit)
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """(B, L, H, d) -> (L / chunk, B, H, chunk, d)."""
+    b, l, h, d = x.shape
+    return x.reshape(b, l // chunk, chunk, h, d).transpose(1, 0, 3, 2, 4)
+
+
+def _unchunk(x: jax.Array) -> jax.Array:
+    """(L / chunk, B, H, chunk, d) -> (B, L, H, d)."""
+    n, b, h, c, d = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(b, n * c, h, d)
+
+
+def _mask_chunks(mask: jax.Array | None, chunk: int) -> jax.Array | None:
+    """Boolean ``[B or 1, H or 1, L_q, L_k]`` -> ``(L_q / chunk, B or 1, H or 1, chunk, L_k)``."""
+    if mask is None:
+        return None
+    b, h, l, s = mask.shape
+    return jnp.moveaxis(mask.reshape(b, h, l // chunk, chunk, s), 2, 0)
+
+
+def _masked(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Masked-out scores set to ``dot_product_attention``'s large negative (a fully masked row is uniform)."""
+    return scores if mask is None else jnp.where(mask, scores, -0.7 * jnp.finfo(scores.dtype).max)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, chunk: int) -> jax.Array:
+    """softmax(Q K^T / sqrt(d)) V on (B, L, H, d), ``chunk`` query rows at a time.
+
+    ``mask`` (boolean, broadcastable to ``[B, H, L_q, L_k]`` with all four axes present, or ``None``) keeps
+    the scores where it is true, as ``jax.nn.dot_product_attention(..., mask=mask)``.
+    """
+    return _chunked_forward(q, k, v, mask, chunk)[0]
+
+
+def _chunked_forward(q, k, v, mask, chunk):
+    scale = q.shape[-1] ** -0.5
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def one(xs):
+        qc, mc = xs
+        s = _masked(jnp.einsum("bhqd,bhkd->bhqk", qc, kh) * scale, mc)
+        m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+        p = jnp.exp(s - m)
+        total = p.sum(-1, keepdims=True)
+        return jnp.einsum("bhqk,bhkd->bhqd", p, vh) / total, (m[..., 0], jnp.log(total)[..., 0])
+
+    # The log-sum-exp is kept as (max, log of the sum): in a fully masked row the max is -0.7 * float max,
+    # to which adding the log of the sum would round away.
+    out, lse = jax.lax.map(one, (_chunks(q, chunk), _mask_chunks(mask, chunk)))
+    return _unchunk(out), (q, k, v, mask, out, lse)
+
+
+def _chunked_backward(chunk, residuals, grad):
+    q, k, v, mask, out, lse = residuals
+    scale = q.shape[-1] ** -0.5
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    grad = _chunks(grad, chunk)
+    delta = jnp.sum(grad * out, -1)  # rowsum(dO * O) = rowsum(P * dP)
+
+    def body(carry, xs):  # in the transposed domain (keys x queries): every product but dQ's is a plain matmul
+        dk, dv = carry
+        qc, gc, (max_c, log_sum_c), delta_c, mc = xs
+        mask_t = None if mc is None else jnp.swapaxes(mc, -1, -2)
+        s_t = _masked(jnp.einsum("bhkd,bhqd->bhkq", kh, qc) * scale, mask_t)
+        p_t = jnp.exp(s_t - max_c[..., None, :] - log_sum_c[..., None, :])
+        dv = dv + jnp.einsum("bhkq,bhqd->bhkd", p_t, gc)
+        ds_t = p_t * (jnp.einsum("bhkd,bhqd->bhkq", vh, gc) - delta_c[..., None, :]) * scale
+        if mask_t is not None:  # a masked score is a constant: no gradient (matters only in fully masked rows)
+            ds_t = jnp.where(mask_t, ds_t, 0.0)
+        dk = dk + jnp.einsum("bhkq,bhqd->bhkd", ds_t, qc)
+        return (dk, dv), jnp.einsum("bhkq,bhkd->bhqd", ds_t, kh)
+
+    xs = (_chunks(q, chunk), grad, lse, delta, _mask_chunks(mask, chunk))
+    (dk, dv), dq = jax.lax.scan(body, (jnp.zeros_like(kh), jnp.zeros_like(vh)), xs)
+    return _unchunk(dq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), None
+
+
+chunked_attention.defvjp(_chunked_forward, _chunked_backward)

@@ -56,9 +56,12 @@ class Batches(NamedTuple):
 
 
 def kept_rollouts(config: StarPOConfig) -> int:
-    """Rollouts left after the rollout filter: the rows of the log-prob and value passes."""
-    groups = config.es_manager.train
-    return num_kept_groups(groups.env_groups, config.actor_rollout_ref.rollout.rollout_filter_ratio) * groups.group_size
+    """Rollouts left after the rollout filter: the rows of the log-prob and value passes. RAGEN-2's adaptive
+    strategies keep a varying number of groups, at most all of them: the programs are compiled for that."""
+    groups, rollout = config.es_manager.train, config.actor_rollout_ref.rollout
+    if rollout.rollout_filter_strategy != "starpo_s":
+        return groups.env_groups * groups.group_size
+    return num_kept_groups(groups.env_groups, rollout.rollout_filter_ratio) * groups.group_size
 
 
 def run_batches(config: StarPOConfig, mesh) -> Batches:

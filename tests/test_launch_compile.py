@@ -13,7 +13,7 @@ from launch import compile as aot_compile
 from launch.compile_measure import Row, device_bytes
 from launch.compile_record import entry, grid, record
 from launch.compile_report import fits
-from launch.compile_starpo import Batches, run_batches, shrink_micro_batches, starpo_programs
+from launch.compile_starpo import Batches, kept_rollouts, run_batches, shrink_micro_batches, starpo_programs
 from launch.compile_suggest import mesh_candidates, search_order, suggest
 from launch.compile_tdd import tdd_programs
 from launch.tdd_run import DISTIL_PRESETS
@@ -143,6 +143,16 @@ def test_critic_is_compiled_with_its_own_mini_and_micro_batches(v5e):
     assert shrink_micro_batches(config, 2) is None  # the critic's micro-batch of 1 row does not halve
     smaller = shrink_micro_batches(load_config("tiny", ["ppo_mini_batch_size=8", "micro_batch_size_per_gpu=2"]), 2)
     assert run_batches(smaller, mesh)[:4] == (8, 2, 8, 2)
+
+
+def test_adaptive_filters_are_compiled_for_every_group():
+    """StarPO-S keeps a fixed share of the groups; RAGEN-2's top-p etc. may keep all of them."""
+    tiny = load_config("tiny")
+    groups = tiny.es_manager.train.env_groups * tiny.es_manager.train.group_size
+    assert kept_rollouts(tiny) < groups
+    adaptive = load_config("tiny", ["actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
+                                    "actor_rollout_ref.rollout.rollout_filter_strategy=top_p"])
+    assert kept_rollouts(adaptive) == groups
 
 
 def _rows(gb: float) -> list[Row]:

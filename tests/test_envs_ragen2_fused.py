@@ -71,7 +71,8 @@ def test_coordinate_observations_and_v2_bandit_are_host_only(setup):
 
 def test_a_config_override_of_max_tokens_reaches_the_fused_tables(setup):
     """``custom_envs.<Tag>.max_tokens`` (RAGEN-2's per-tag announced response limit) through the config path."""
-    config = load_config("v2-2048-starpo-s-ppo", ["custom_envs.game_2048.max_tokens=37"])
+    config = load_config("v2-2048-starpo-s-ppo", ["custom_envs.game_2048.max_tokens=37",
+                                                  "custom_envs.game_2048.max_actions_per_traj=2"])  # small tables
     settings = dataclasses.replace(SETTINGS, max_turn=2)
     tables = build_env_tables(envs.make("game_2048", config.custom_envs), setup["tokenizer"], settings)
     after = [setup["tokenizer"].decode(row[:n]) for row, n in zip(np.asarray(tables.after.ids),

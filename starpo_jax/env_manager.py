@@ -101,7 +101,6 @@ class Slot:
     turn_infos: list[dict] = dataclasses.field(default_factory=list)
     turn_rewards: list[list[Any]] = dataclasses.field(default_factory=list)
     turn_raw_rewards: list[list[float]] = dataclasses.field(default_factory=list)
-    final_score: float | None = None
 
     @property
     def done(self) -> bool:
@@ -140,8 +139,6 @@ def run_turn(slot: Slot, llm_response: str, actions: list[str], format_penalty: 
         _, reward, done, info = slot.env.step(action)
         step_rewards.append(reward)
         raw_rewards.append(info.get("raw_reward", reward))
-        if "score" in info:
-            slot.final_score = float(info["score"])
         slot.num_actions += 1
         if done:
             break
@@ -172,11 +169,11 @@ def apply_context_window(slot: Slot, window: int) -> None:
         del slot.turn_raw_rewards[:dropped]
 
 
-def turn_averages(turn_infos: list[dict]) -> dict[str, float]:
-    """Each numeric info key but ``success`` summed over the turns and divided by their number (a turn without the
-    key adds 0), as RAGEN-2's ``es_manager``; a turn's info is its last action's, with ``raw_reward`` summed over
-    its actions. The V1 flags ``action_is_effective`` / ``action_is_valid`` are always there; non-numbers are
-    skipped."""
+def info_metrics(turn_infos: list[dict]) -> dict[str, float]:
+    """RAGEN-2's ``es_manager`` metrics of the turns' infos (a turn's info is its last action's, with
+    ``raw_reward`` summed over its actions): each numeric key but ``success`` summed over the turns and divided by
+    their number (a turn without the key adds 0; the V1 flags ``action_is_effective`` / ``action_is_valid`` are
+    always there; non-numbers are skipped), and ``final_score``, the last reported ``score`` (2048's running score)."""
     infos = turn_infos or [{}]
     names = dict.fromkeys(("action_is_effective", "action_is_valid", *(k for i in infos for k in i)))
     names.pop("success", None)
@@ -185,25 +182,25 @@ def turn_averages(turn_infos: list[dict]) -> dict[str, float]:
         values = [i.get(name, 0.0) for i in infos]
         if all(isinstance(v, (bool, int, float)) for v in values):
             out[name] = sum(float(v) for v in values) / len(infos)
+    scores = [i["score"] for i in infos if "score" in i]
+    if scores:
+        out["final_score"] = float(scores[-1])
     return out
 
 
 def slot_metrics(slot: Slot) -> dict[str, float]:
     """RAGEN's per-trajectory env metrics (starpo.md §19, ragen2.md §6.8).
 
-    ``success``, ``num_actions`` and the ``turn_averages`` of the turns' infos;
-    ``episodic_return``, the sum over executed actions of ``info["raw_reward"]`` (the step reward where the
-    environment reports none); ``final_score``, the last ``info["score"]`` (2048's running score), when some
-    step reported one; and the environment's ``episode_metrics`` of its final state (2048's ``max_tile``).
+    ``success``, ``num_actions``, the ``info_metrics`` of the turns' infos, ``episodic_return`` (the sum over
+    executed actions of ``info["raw_reward"]``, the step reward where the environment reports none) and the
+    environment's ``episode_metrics`` of its final state (2048's ``max_tile``).
     """
     metrics = {
         "success": float(slot.success),
         "num_actions": float(slot.num_actions),
-        **turn_averages(slot.turn_infos),
+        **info_metrics(slot.turn_infos),
         "episodic_return": float(sum(r for turn in slot.turn_raw_rewards for r in turn)),
     }
-    if slot.final_score is not None:
-        metrics["final_score"] = slot.final_score
     if hasattr(slot.env, "episode_metrics"):
         metrics.update(slot.env.episode_metrics())
     return metrics

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from envs.text_states import make_piece
 from envs.tokens import parse_tokens
 from runtime.mesh import batch_sharding
-from starpo_jax.env_manager import Slot, turn_averages
+from starpo_jax.env_manager import Slot, info_metrics
 from starpo_jax.fused_tables import EnvTables, build_env_tables
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import KVCache, cache_shardings, init_cache
@@ -282,7 +282,7 @@ def _finished_slot() -> Slot:
 
 def _turn_infos(raw: list[float], scores: np.ndarray, turn_actions: np.ndarray) -> list[dict[str, float]]:
     """The numeric info keys ``run_turn`` keeps per turn (``raw_reward`` summed, the last ``score``) from the
-    per-action buffers, for ``turn_averages``; the V1 flags come from the episode's counters."""
+    per-action buffers, for ``info_metrics``; the V1 flags come from the episode's counters."""
     infos, start = [], 0
     for count in map(int, turn_actions):
         end, info = start + count, {}
@@ -335,15 +335,12 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
         penalties.append(penalty)
         turns = max(int(episode.num_turns[i]), 1)
         raw = [float(episode.step_raw_rewards[i, k]) for k in executed]
-        reported = [float(episode.step_scores[i, k]) for k in executed if not np.isnan(episode.step_scores[i, k])]
         row = {"success": float(episode.terminated[i] and not episode.truncated[i]),
                "num_actions": float(episode.num_actions[i]),
-               **turn_averages(_turn_infos(raw, episode.step_scores[i], episode.turn_actions[i, :turns])),
+               **info_metrics(_turn_infos(raw, episode.step_scores[i], episode.turn_actions[i, :turns])),
                "action_is_effective": int(episode.num_effective[i]) / turns,
                "action_is_valid": int(episode.num_valid[i]) / turns,
                "episodic_return": float(sum(r if r == r else v for r, v in zip(raw, rewards)))}  # NaN: no raw_reward
-        if reported:
-            row["final_score"] = reported[-1]
         row.update({name: float(v[i - starts[tag]]) for name, v in episode.env_metrics[tag].items()})
         metrics.append(row)
     turn_scores = ([row[:n] for row, n in zip(episode.turn_scores, episode.num_turns)]

@@ -126,3 +126,7 @@ def _adjusted_turn_samples(kept: FilteredRows, episodes: Episodes, config: Any, 
     rows = adjust_batch_size(episodes.rows_of(kept.rows), batch_divisor(config), config.agent_proxy.batch_adjust_mode,
                              rng)
     return FilteredRows(rows, episodes.broadcast(weight)[rows], kept.metrics, episodes.broadcast(std)[rows])
+
+
+for _strategy in STRATEGIES:
+    ROLLOUT_FILTERS.register(_strategy, snr_filter)

@@ -183,18 +183,46 @@ def _traj(scores, group_ids, episode_ids):
                       group_ids, np.zeros(n, np.int32), episode_ids=episode_ids)
 
 
-@pytest.mark.parametrize("mode", ["limited_multi_turn", "single_turn"])
-def test_one_training_iteration_per_mode(checkpoint, tmp_path, caplog, mode):  # noqa: F811
-    """Bandit over 2 turns (a random policy rarely answers, so most episodes play both): per-turn rows train,
-    validation and the saved rollouts count episodes, and the collapse metrics are off, said once."""
+@pytest.mark.parametrize("mode,validate", [("limited_multi_turn", True), ("single_turn", False)])
+def test_one_training_iteration_per_mode(checkpoint, tmp_path, caplog, mode, validate):  # noqa: F811
+    """GRPO on Bandit over 2 turns (a random policy rarely answers, so most episodes play both): per-turn rows
+    train, validation and the saved rollouts count episodes, and the collapse metrics are off, said once."""
     with caplog.at_level(logging.WARNING):
         last = tiny_run(checkpoint, tmp_path, 1, f"agent_proxy.context_window_mode={mode}", "agent_proxy.max_turn=2",
-                        "agent_proxy.max_context_window=1", "trainer.test_freq=1",
-                        "actor_rollout_ref.rollout.rollout_filter_ratio=1",
-                        "collapse_detection.first_turn_enabled=True")
+                        "agent_proxy.max_context_window=1", f"trainer.test_freq={1 if validate else 100}",
+                        "actor_rollout_ref.rollout.rollout_filter_ratio=1", "algorithm.adv_estimator=grpo",
+                        "ragen_version=v2", "collapse_detection.first_turn_enabled=True")
     assert sum("collapse metrics are computed only under" in r.getMessage() for r in caplog.records) == 1
     assert "actor/pg_loss" in last and not any(k.startswith("collapse") for k in last)
     assert last["train/batch_size"] > 16 and last["train/batch_size"] % 8 == 0  # turn-samples, adjusted to lcm(4, 8)
-    saved = [json.loads(line) for line in (tmp_path / "rollouts" / "train_step1.jsonl").read_text().splitlines()]
-    assert len({row["episode"] for row in saved}) == 16 and len(saved) > 16
-    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["val/BanditTest/success"] >= 0
+    if validate:
+        saved = [json.loads(line) for line in (tmp_path / "rollouts" / "train_step1.jsonl").read_text().splitlines()]
+        assert len({row["episode"] for row in saved}) == 16 and len(saved) > 16
+        assert 0 <= read_jsonl(tmp_path / "metrics.jsonl")[-1]["val/BanditTest/success"] <= 1
+
+
+SMALL = ("es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.train.env_configs.n_groups=[2]",
+         "actor_rollout_ref.rollout.rollout_filter_ratio=0.5", "micro_batch_size_per_gpu=1", "agent_proxy.max_turn=5", "ppo_mini_batch_size=4")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("train_on_sampled_ids=True",), "re-renders each turn's window as its own sample"),
+    (("agent_proxy.use_turn_scores=True",), "set agent_proxy.use_turn_scores=False"),
+    (("enable_response_mask=False",), "leave enable_response_mask=True"),
+    (("actor_rollout_ref.actor.optim.lr_warmup_steps=3",), "use a constant learning rate"),
+    (("ppo_mini_batch_size=16",), r"rollout_filter_ratio·agent_proxy.max_turn = 2·2·0.5·5 "
+                                                                  r"leaves less than one"),
+])
+def test_turn_level_keys_that_would_not_take_effect_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("starpo-s-ppo", SMALL + ("agent_proxy.context_window_mode=single_turn",) + overrides)
+
+
+def test_batch_size_check_counts_max_turn_samples_per_episode():
+    """RAGEN-2's train.py: env_groups · group_size · ratio · max_turn >= ppo_mini_batch_size under the turn modes."""
+    mini = ("ppo_mini_batch_size=8",)
+    with pytest.raises(ValueError, match="leaves less than one"):
+        load_config("starpo-s-ppo", SMALL + mini)  # 2 trajectories under full
+    config = load_config("starpo-s-ppo", SMALL + mini + ("agent_proxy.context_window_mode=limited_multi_turn",
+                                                         "agent_proxy.batch_adjust_mode=delete"))
+    assert config.agent_proxy.batch_adjust_mode == "delete"  # StarPO-S adjusts the turn-samples too

@@ -24,6 +24,7 @@ from starpo_jax.trajectory import Trajectory, Turn
 from starpo_jax.turn_samples import prompt_turn_ids, turn_ids
 from test_launch_starpo import checkpoint  # noqa: F401  (the tiny local Hugging Face checkpoint fixture)
 from test_starpo_ragen2_wiring import tiny_run
+from test_starpo_rollout import play, setup  # noqa: F401  (a tiny greedy policy playing FrozenLake)
 
 RESPONSES = ["<think>a</think><answer>Up</answer>", "<think>b</think><answer>Left</answer>",
              "<think>c</think><answer>Down</answer>"]
@@ -107,6 +108,19 @@ def test_packed_turn_samples_carry_the_episode_and_train_only_the_final_message(
         assert tokenizer.decode(trained) == ASSISTANT + response + "<|im_end|>\n"
     standard = pack_trajectory(tokenizer, [slot], settings(mode, 2, mask_alignment="standard"))
     assert tokenizer.decode(standard.input_ids[2][1:][standard.loss_mask[2] > 0]) == RESPONSES[2] + "<|im_end|>"
+
+
+@pytest.mark.parametrize("mode", ["limited_multi_turn", "single_turn"])
+def test_host_rollout_generates_from_the_turn_window(setup, mode):  # noqa: F811
+    """Each turn-sample's response was sampled after exactly its window (the sampler's log-probs line up with the
+    trained tokens), also at turn 3 of a window of 2, which a full-history prompt would not match."""
+    traj, slots = play(setup, False, max_turn=3, context_window_mode=mode, max_context_window=2,
+                       mask_alignment="reference")
+    played = [sum(t.llm_response is not None for t in s.history) for s in slots]
+    np.testing.assert_array_equal(traj.episode_ids, np.repeat(np.arange(len(slots)), played))
+    assert max(played) == 3
+    for row in range(len(traj.episode_ids)):
+        assert (np.isfinite(traj.rollout_log_probs[row]) & (traj.loss_mask[row] > 0)).any()
 
 
 def turn_batch():

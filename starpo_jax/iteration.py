@@ -139,7 +139,7 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int,
     the filter metrics and each row's pre-filter group reward std; an SNR filter may keep no row. StarPO-S ranks ``score + penalty`` before
     normalisation (starpo.md §22.12), RAGEN-2's filter the normalised reward; with ``agent_proxy.use_turn_scores``
     both rank each row's summed turn rewards as placed on the tokens (RAGEN ``original_rm_scores.sum(-1)``: no
-    penalty, no normalisation).
+    penalty, no normalisation). Per-turn samples (``traj.episode_ids``) are normalised and ranked per episode.
     """
     groups = config.es_manager.train
     norm = config.agent_proxy.reward_normalization

@@ -22,7 +22,7 @@ def reward_value(turn: Turn) -> str:
 
 def memory_user_content(history: Sequence[Turn], turn_index: int, history_start: int, *, max_tokens: int,
                         enable_think: bool = True, include_warning: bool = False, turn_offset: int = 0) -> str:
-    """``SimpleMemory.build_user_content``: turns ``history_start … turn_index − 1`` as text, then turn ``turn_index``.
+    """``SimpleMemory.build_user_content``: turns ``history_start … turn_index − 1`` as text, then ``turn_index``.
 
     Args:
       history: the episode's turns.

@@ -74,8 +74,8 @@ def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, 
                 {"role": "user", "content": "" if v2 else prefix}]
     for index, turn in enumerate(entries):
         warning = v2 and not for_update and turn.invalid_action
-        messages[-1]["content"] += turn_text(index + first_turn, turn.state, turn.actions_left, max_tokens, enable_think,
-                                             warning)
+        messages[-1]["content"] += turn_text(index + first_turn, turn.state, turn.actions_left, max_tokens,
+                                             enable_think, warning)
         if turn.llm_response is not None:
             messages.append({"role": "assistant", "content": turn.llm_response})
         if turn.reward is not None and not (for_update and index == len(entries) - 1):

@@ -71,7 +71,8 @@ def test_limited_multi_turn_window_keeps_the_last_k_turns_and_trains_the_final_r
     # generation at the final state: turns 3-4, the Reward after turn 3, and the warning (inference only)
     prompt = tokenizer.decode(prompt_turn_ids(tokenizer, slot, settings("limited_multi_turn", 2)))
     assert prompt == (system(slot) + "<|im_start|>user\n\nTurn 3:\nState:\nS2\n" + budget(8) + "<|im_end|>\n"
-                      + ASSISTANT + RESPONSES[2] + "<|im_end|>\n<|im_start|>user\nReward:\n10.9\n\nTurn 4:\nState:\nS3\n"
+                      + ASSISTANT + RESPONSES[2] + "<|im_end|>\n<|im_start|>user\nReward:\n10.9\n"
+                      + "\nTurn 4:\nState:\nS3\n"
                       + INVALID_ACTION_WARNING + budget(7) + "<|im_end|>\n" + ASSISTANT + "<think>")
     every = tokenizer.decode(turn_ids(tokenizer, slot, 2, settings("limited_multi_turn", -1), for_update=True))
     assert "\nTurn 1:\nState:\nS0\n" in every and every.endswith(text[len(system(slot)) + 25:])
@@ -216,7 +217,8 @@ def test_one_training_iteration_per_mode(checkpoint, tmp_path, caplog, mode, val
 
 
 SMALL = ("es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.train.env_configs.n_groups=[2]",
-         "actor_rollout_ref.rollout.rollout_filter_ratio=0.5", "micro_batch_size_per_gpu=1", "agent_proxy.max_turn=5", "ppo_mini_batch_size=4")
+         "actor_rollout_ref.rollout.rollout_filter_ratio=0.5", "micro_batch_size_per_gpu=1", "agent_proxy.max_turn=5",
+         "ppo_mini_batch_size=4")
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -75,7 +75,9 @@ def test_limited_multi_turn_window_keeps_the_last_k_turns_and_trains_the_final_r
                       + "\nTurn 4:\nState:\nS3\n"
                       + INVALID_ACTION_WARNING + budget(7) + "<|im_end|>\n" + ASSISTANT + "<think>")
     every = tokenizer.decode(turn_ids(tokenizer, slot, 2, settings("limited_multi_turn", -1), for_update=True))
-    assert "\nTurn 1:\nState:\nS0\n" in every and every.endswith(text[len(system(slot)) + 25:])
+    user = system(slot) + "<|im_start|>user\n"
+    assert every == (user + "\nTurn 1:\nState:\nS0\n" + budget(10) + "<|im_end|>\n" + ASSISTANT + RESPONSES[0]
+                     + "<|im_end|>\n<|im_start|>user\nReward:\n-0.1\n" + text[len(user):])  # k = −1: every turn
 
 
 def test_single_turn_user_message_is_ragens_simple_memory_text(tokenizer, slot):

@@ -1,4 +1,5 @@
-"""2048, the 2x2 cube and CoordSokoban (grid_coord) in the fused driver: the host driver's trajectories (greedy)."""
+"""2048, the 2x2 cube, CoordSokoban (grid_coord) and CoordFrozenLake (grid_coord, coord) in the fused driver: the
+host driver's trajectories (greedy)."""
 
 import dataclasses
 
@@ -17,15 +18,16 @@ from starpo_jax.sampler import make_sampler
 from starpo_jax.trajectory import render_chat
 from test_starpo_fused_rollout import assert_same, tiny_policy
 
-TAGS = ("Short2048", "rubikscube", "CoordSokoban")
-ROWS = (2, 2, 2)
-SEEDS = (3, 4, 5, 6, 7, 8)
+TAGS = ("Short2048", "rubikscube", "CoordSokoban", "CoordFrozenLake", "CoordLakeXY")
+ROWS = (2, 2, 2, 2, 2)
+SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 RESPONSE = "go</think><answer>Up || U</answer>"  # one name is valid in each game, the other a format penalty
 NEW_TOKENS = 12
 SETTINGS = RolloutSettings(max_turn=2, max_model_len=1024, train_on_sampled_ids=True, bucket=1024,
                            max_actions_per_turn=2)
 CUSTOM_ENVS = {**envs.CUSTOM_ENVS_V2,
-               "Short2048": dataclasses.replace(envs.RAGEN2_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50)}
+               "Short2048": dataclasses.replace(envs.RAGEN2_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50),
+               "CoordLakeXY": envs.EnvEntry.of_type("coord_frozen_lake", observation_format="coord")}
 
 
 def make_slots():
@@ -46,7 +48,7 @@ def setup(tmp_path_factory):
                 host_sampler=make_sampler(graphdef, sampler_config))
 
 
-def test_fused_equals_host_on_2048_the_cube_and_coord_sokoban(setup):
+def test_fused_equals_host_on_2048_the_cube_coord_sokoban_and_coord_frozen_lake(setup):
     slots = make_slots()
     cache = init_cache(setup["config"], len(slots), SETTINGS.max_model_len + NEW_TOKENS)
     host = host_rollout(setup["host_sampler"], setup["params"], setup["tokenizer"], slots, cache, jax.random.key(7),
@@ -61,12 +63,13 @@ def test_fused_equals_host_on_2048_the_cube_and_coord_sokoban(setup):
     assert "Max response length: 50 words (tokens)." in text  # Short2048's own max_tokens, not game_2048's 8192
     assert {"episodic_return", "max_tile", "final_score", "raw_reward", "score"} <= set(out.metrics[0])
     assert "max_tile" not in out.metrics[2]
+    lake, xy = (setup["tokenizer"].decode(out.trajectory.input_ids[i]) for i in (6, 8))
+    assert "Grid Map: \n" in lake and "Start: (" in lake and "Start: (" in xy and "Grid Map" not in xy
 
 
-def test_coordinate_observations_and_v2_bandit_are_host_only(setup):
-    for tag in ("CoordFrozenLake", "Bandit"):
-        with pytest.raises(ValueError, match=f"{tag}.*rollout_driver=host"):
-            build_env_tables(envs.make(tag, envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)
+def test_v2_bandit_is_host_only(setup):
+    with pytest.raises(ValueError, match="Bandit.*rollout_driver=host"):
+        build_env_tables(envs.make("Bandit", envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)
 
 
 def test_a_config_override_of_max_tokens_reaches_the_fused_tables(setup):

@@ -100,7 +100,7 @@ class CoordSokoban(Sokoban):
                   for label in ("Player", "Player on target") for r, c in cells]]
         symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
         if grid:
-            slots += [_row_texts(symbols, width, True) for _ in range(height)]
+            slots += [_row_texts(symbols, width, True)] * height  # one table for every row
         radix = len(symbols) ** jnp.arange(width - 2)
 
         def index_of(obs):
@@ -203,7 +203,7 @@ class CoordFrozenLake(FrozenLake):
         slots += [["", f" ({r}, {c}),", f" ({r}, {c})\n"] for r, c in cells]  # a hole, then the last hole
         symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
         if grid:
-            slots += [["Grid Map: \n"]] + [_row_texts(symbols, size, False) for _ in range(size)]
+            slots += [["Grid Map: \n"]] + [_row_texts(symbols, size, False)] * size  # one table for every row
         radix = len(symbols) ** jnp.arange(size)
 
         def index_of(obs):

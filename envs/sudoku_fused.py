@@ -20,15 +20,15 @@ lookup. Its bytes (``ECHO_BYTES``) and tokens (``ECHO_TOKENS``) are bounded; a l
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from envs.base import TextEnvironment, step_info
-from envs.sudoku import (CANNOT_MODIFY, CONFLICT, CORRECT, LEGEND, NONE, VALID, SudokuState, feedback_text,
+from envs.base import TextEnvironment
+from envs.sudoku import (CANNOT_MODIFY, CONFLICT, CORRECT, LEGEND, VALID, SudokuState, feedback_text,
                          is_valid_grid, out_of_range_text, parse_error_text, render_with_feedback)
 from envs.text_pieces import check_state_tokens, piece_tables
 from envs.tokens import (ParsedActions, ResponseParser, _occurrences, _whitespace, answer_bytes, concat_rows,

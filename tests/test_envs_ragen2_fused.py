@@ -100,6 +100,17 @@ def test_the_sudoku_device_parser_gives_the_host_moves(setup):
         assert bool(out.format_penalty[k]) == (not actions)
 
 
+def test_the_9x9_sudoku_renderer_gives_the_tokenizer_encoding(setup):
+    """SimpleSudoku's tables (box chunks of three cells): ``state_renderer`` checks them on 24 sample states
+    (feedback of every kind, valid-number lines, echoes) against the whole-text encoding, and raises otherwise."""
+    env = envs.make("SimpleSudoku", envs.CUSTOM_ENVS_V2).device_env()
+    renderer = env.state_renderer(setup["tokenizer"], env.default_params, env.max_actions_per_traj, num_checks=24)
+    obs, state = env.reset_env(jax.random.key(0), env.default_params)
+    ids, length = renderer.tokens(obs)
+    assert setup["tokenizer"].decode(ids[:length]) == env.render_text(state) + "\n"
+    assert "[" in env.render_text(state) and "| " in env.render_text(state)
+
+
 def test_v2_bandit_is_host_only_and_16x16_sudoku_names_the_limit(setup):
     with pytest.raises(ValueError, match="Bandit.*rollout_driver=host"):
         build_env_tables(envs.make("Bandit", envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)

@@ -6,8 +6,8 @@ token-to-bytes table (``envs.tokens.answer_bytes``), splits RAGEN's ``||`` piece
 reference's six ``re.search`` patterns in array code. Every ``(\\d+)`` group spans a whole digit run (each one is
 followed by a non-digit or ends the pattern), so a match is found by scanning from every start at once. A piece
 becomes an action code: a move id ``(r*n + c)*n + num - 1``, ``n³`` for values out of range or ``n³ + 1`` when
-no pattern matches. Each piece is passed through as one action, as on the host. Digits are ASCII ``0-9``: a
-non-ASCII decimal digit, which Python's ``\\d`` also accepts, does not match here.
+no pattern matches. Each piece is passed through as one action, as on the host. ``\\d`` is Python's: any Unicode
+decimal digit (Arabic-Indic, full-width, …), with its value, as ``int()`` reads it.
 
 ``SudokuRenderer`` renders the state as token slots (``envs.text_pieces``): the grid in box-wide chunks of
 ``(2n+1)^√n`` variants each (so 16x16 is host-only), the feedback, valid-number lines and progress counters. A
@@ -31,12 +31,15 @@ from envs.base import TextEnvironment
 from envs.sudoku import (CANNOT_MODIFY, CONFLICT, CORRECT, LEGEND, VALID, SudokuState, feedback_text,
                          is_valid_grid, out_of_range_text, parse_error_text, render_with_feedback)
 from envs.text_pieces import check_state_tokens, piece_tables
-from envs.tokens import (ParsedActions, ResponseParser, _occurrences, _whitespace, answer_bytes, concat_rows,
-                         piece_spans, token_byte_table)
+from envs.tokens import (ParsedActions, ResponseParser, _occurrences, _spread, _whitespace, answer_bytes,
+                         concat_rows, piece_spans, token_byte_table)
 
 ECHO_BYTES, ECHO_TOKENS = 1024, 256
 PARSE_ERROR, OUT_OF_RANGE = 5, 6  # outcome codes after SudokuState's
 CAP = 1000  # digit-run values saturate here (any value >= CAP is out of range)
+# ``\d`` of Python's ``re`` (Unicode category Nd: ASCII, Arabic-Indic, full-width… digits) and each one's value.
+DECIMAL_DIGITS = tuple((chr(c).encode(), int(chr(c))) for c in range(0x110000)
+                       if not 0xD800 <= c <= 0xDFFF and chr(c).isdecimal())
 NUM, WS, WS_OPT = "num", "ws+", "ws*"
 PATTERNS = (  # the six patterns of ``envs.sudoku.PATTERNS`` as element sequences
     (b"place", WS, NUM, WS, b"at", WS, b"row", WS, NUM, WS, b"col", WS, NUM),
@@ -76,23 +79,41 @@ class SudokuParser(NamedTuple):
                              matched, (echo, hi - lo))
 
 
+def _decimal_digits(buf: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Python's ``\\d`` over UTF-8 bytes: first bytes of decimal digits, all their bytes, and their values."""
+    size = buf.shape[0]
+    padded = jnp.concatenate([buf, jnp.zeros(3, buf.dtype)]).astype(jnp.uint32)
+    lead, covered, value = jnp.zeros(size, bool), jnp.zeros(size, bool), jnp.zeros(size, jnp.int32)
+    for width in (1, 2, 3, 4):
+        table = np.array(sorted((int.from_bytes(c, "big"), v) for c, v in DECIMAL_DIGITS if len(c) == width), np.uint32)
+        if not len(table):
+            continue
+        window = sum(padded[k:k + size] << (8 * (width - 1 - k)) for k in range(width))
+        row = jnp.minimum(jnp.searchsorted(jnp.asarray(table[:, 0]), window), len(table) - 1)
+        hit = (jnp.asarray(table[:, 0])[row] == window) & (jnp.arange(size) + width <= n)
+        lead, covered = lead | hit, covered | _spread(hit, width)
+        value = jnp.where(hit, jnp.asarray(table[:, 1].astype(np.int32))[row], value)
+    return lead, covered, value
+
+
 def _piece_codes(text: jax.Array, size: jax.Array, spans, n: int) -> jax.Array:
     """The action code of every piece ``text[lo:hi]`` (lower-cased answer bytes)."""
     length = text.shape[0]
     positions = jnp.arange(length)
     clip = lambda i: jnp.minimum(i, length - 1)
-    digit = (text >= ord("0")) & (text <= ord("9")) & (positions < size)
+    digit, covered, digit_value = _decimal_digits(text, size)
     space = _whitespace(text, size)
     space_end = jax.lax.cummin(jnp.where(space, length, positions), reverse=True)
-    run_end = jax.lax.cummin(jnp.where(digit, length, positions), reverse=True)
+    run_end = jax.lax.cummin(jnp.where(covered, length, positions), reverse=True)
 
     def value_step(carry, x):  # the value of the digit run starting here, saturated at CAP
         value, power = carry
-        byte, is_digit = x
-        value = jnp.where(is_digit, jnp.minimum((byte.astype(jnp.int32) - ord("0")) * power + value, CAP), 0)
-        return (value, jnp.where(is_digit, jnp.minimum(power * 10, CAP), 1)), value
+        lead, inside, d = x
+        new = (jnp.where(lead, jnp.minimum(d * power + value, CAP), jnp.where(inside, value, 0)),
+               jnp.where(lead, jnp.minimum(power * 10, CAP), jnp.where(inside, power, 1)))
+        return new, new[0]
 
-    values = jax.lax.scan(value_step, (jnp.int32(0), jnp.int32(1)), (text, digit), reverse=True)[1]
+    values = jax.lax.scan(value_step, (jnp.int32(0), jnp.int32(1)), (digit, covered, digit_value), reverse=True)[1]
 
     def code(lo, hi):
         found, groups = jnp.bool_(False), jnp.zeros(3, jnp.int32)
@@ -100,7 +121,7 @@ def _piece_codes(text: jax.Array, size: jax.Array, spans, n: int) -> jax.Array:
             pos, ok, got = positions, (positions >= lo) & (positions < hi), []
             for element in pattern:
                 if element == NUM:
-                    ok &= digit[clip(pos)] & (pos < hi)
+                    ok &= digit[clip(pos)] & (pos < hi)  # a digit's first byte
                     got.append(values[clip(pos)])
                     pos = run_end[clip(pos)]
                 elif element in (WS, WS_OPT):

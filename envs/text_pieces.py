@@ -36,7 +36,8 @@ def piece_tables(tokenizer, slots: Sequence[Sequence[str]], index_of: Callable) 
     A variant list passed (as the same object) for several slots, e.g. one per grid row, is stored once.
     """
     unique = list({id(slot): slot for slot in slots}.values())
-    encoded = [list(ids) for ids in tokenizer([t for slot in unique for t in slot], add_special_tokens=False)["input_ids"]]
+    texts = [text for slot in unique for text in slot]
+    encoded = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     table = np.zeros((len(encoded), max(1, max(len(e) for e in encoded))), np.int32)
     for i, ids in enumerate(encoded):
         table[i, :len(ids)] = ids

@@ -150,7 +150,8 @@ def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params
     tokens = jax.jit(jax.vmap(jax.vmap(renderer.tokens, (0, None)), (None, 0)))
     ids, lengths = (np.asarray(x) for x in tokens(jnp.asarray(obs), jnp.arange(len(afters))))
     state_piece = lambda s, n: [int(t) for t in ids[n, s, :lengths[n, s]]]
-    tables = EnvTables(env, params, env.response_parser(tokenizer, settings.enable_think, settings.max_actions_per_turn),
+    parser = env.response_parser(tokenizer, settings.enable_think, settings.max_actions_per_turn)
+    tables = EnvTables(env, params, parser,
                        renderer, rewards, make_piece(encode([prompt_head])), make_piece(encode([head])),
                        make_piece(encode(turns)), make_piece(encode(afters)))
     _check_pieces(tokenizer, env, settings, tables, reward_texts, state_texts, state_piece, messages)

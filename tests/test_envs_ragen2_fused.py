@@ -37,7 +37,9 @@ CUSTOM_ENVS = {**envs.CUSTOM_ENVS_V2,
                "TinySudoku": envs.EnvEntry.of_type("sudoku", grid_size=4)}
 ANSWERS = ["place 5 at row 2 col 3 || 2,3,5 || Up || 9,9,10 || (1, 2,  3)", "I place 3 at (1,2)",
            "5 at 1, 2 || at 12,3,4 || 003,1,2", "PLACE 4 AT ROW 1 COL 1", " || 1,2 ||| 3,4,5",
-           "place  3   at  row 2 col 3x || row 1, 2, 3 || (1,2,3) || place 1 at 2, 3", "4,4,4||0,1,1||1,2,3||1,1,1"]
+           "place  3   at  row 2 col 3x || row 1, 2, 3 || (1,2,3) || place 1 at 2, 3", "4,4,4||0,1,1||1,2,3||1,1,1",
+           # \d and \s beyond ASCII
+           "\u0663,1,2 || place \uff13 at row 1 col 2 || 0\u0662,2,2", "1\u00a0at\u20034,\u06610"]
 
 
 def make_slots():

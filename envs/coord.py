@@ -2,8 +2,8 @@
 
 ``observation_format`` is ``grid`` (V1), ``coord`` (the coordinates block alone) or ``grid_coord``
 (``"Coordinates: \\n" + block + "\\nGrid Map: \\n" + grid``). FrozenLake also takes RAGEN-2's ``success_rate``.
-On the fused driver, one-box Sokoban and FrozenLake render every format (coordinate lines as token slots);
-multi-box Sokoban's coordinate formats are host-only. FrozenLake's observation codes hide the start tile (it
+On the fused driver, Sokoban (any number of boxes) and FrozenLake render every format (coordinate lines as token
+slots). FrozenLake's observation codes hide the start tile (it
 shows as ``_``), so its coordinate formats add code 6 (``START_CODE``, drawn ``_``) for an unoccupied start.
 """
 
@@ -55,14 +55,6 @@ def coordinate_block(shape, groups) -> str:
     return "\n".join(lines)
 
 
-def grid_only_renderer(env, tokenizer):
-    """The fused driver's renderer: the grid format only (coordinates are rendered on the host)."""
-    if env.observation_format != "grid":
-        raise ValueError(f"{env.tag}: observation_format={env.observation_format!r} has no on-device renderer; "
-                         "set agent_proxy.rollout_driver=host (or observation_format=grid)")
-    return build_grid_renderer(env, tokenizer)
-
-
 def compose(observation_format: str, block: str, grid: str) -> str:
     if observation_format == "grid":
         return grid
@@ -87,17 +79,25 @@ class CoordSokoban(Sokoban):
         return self.text_of_obs(np.asarray(jax.device_get(self.observe(state))))
 
     def state_renderer(self, tokenizer, params, max_actions_per_traj: int, num_checks: int = 64):
-        """The grid format's row tables, or for one box the coordinate lines as slots (then the grid rows)."""
-        if self.observation_format == "grid" or self.num_boxes != 1:
-            return grid_only_renderer(self, tokenizer)
+        """The grid format's row tables, or the coordinate lines as slots (then the grid rows).
+
+        Each listed cell is a slot that ends after its column's digits (``Boxes: (2, 3`` or ``), (4, 1``), and a
+        closing slot (``)\n``) ends a non-empty line: a cut after a digit is a pre-token boundary, a cut after
+        ``)`` before ``,`` would not be. A line has as many cell slots as it can list (``num_boxes``, or one).
+        """
+        if self.observation_format == "grid":
+            return build_grid_renderer(self, tokenizer)
         height, width = self.dim_room
         cells = [(r, c) for r in range(height) for c in range(width)]
-        head = f"Coordinates: \nBoard size: {height} rows x {width} cols (zero-indexed).\nTargets: "
         grid = self.observation_format == "grid_coord"
-        slots = [[f"{head}({r}, {c})\n" for r, c in cells],
-                 [f"{label}: ({r}, {c})\n" for label in ("Boxes", "Boxes on target") for r, c in cells],
-                 [f"{label}: ({r}, {c})\n" + ("Grid Map: \n" if grid else "")
-                  for label in ("Player", "Player on target") for r, c in cells]]
+        codes = {"Targets": (TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET), "Boxes": (BOX,),
+                 "Boxes on target": (BOX_ON_TARGET,), "Player": (PLAYER,), "Player on target": (PLAYER_ON_TARGET,)}
+        lines = [(label, self.num_boxes if label.startswith(("Targets", "Boxes")) else 1) for label in codes]
+        slots = [[("Coordinates: \n" if grid else "") + f"Board size: {height} rows x {width} cols (zero-indexed).\n"]]
+        for label, most in lines:
+            slots += [[""] + [f"{label}: ({r}, {c}" if j == 0 else f"), ({r}, {c}" for r, c in cells]
+                      for j in range(most)]
+            slots.append(["", ")\n" + ("Grid Map: \n" if grid and label.startswith("Player") else "")])
         symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
         if grid:
             slots += [_row_texts(symbols, width, True)] * height  # one table for every row
@@ -105,31 +105,41 @@ class CoordSokoban(Sokoban):
 
         def index_of(obs):
             flat = obs.ravel().astype(jnp.int32)
-            target = jnp.argmax((flat == TARGET) | (flat == BOX_ON_TARGET) | (flat == PLAYER_ON_TARGET))
-            box = jnp.argmax((flat == BOX) | (flat == BOX_ON_TARGET)) + jnp.any(flat == BOX_ON_TARGET) * len(cells)
-            player = jnp.argmax((flat == PLAYER) | (flat == PLAYER_ON_TARGET)) + jnp.any(flat == PLAYER_ON_TARGET) * len(
-                cells)
+            index = []
+            for label, most in lines:
+                listed = jnp.isin(flat, jnp.asarray(codes[label]))
+                rank, count = jnp.cumsum(listed) - 1, listed.sum()
+                index += [jnp.where(j < count, 1 + jnp.argmax(listed & (rank == j)), 0) for j in range(most)]
+                index.append((count > 0).astype(jnp.int32))
             rows = jnp.sum(obs[:, 1:-1].astype(jnp.int32) * radix, axis=1) if grid else jnp.zeros(0, jnp.int32)
-            return jnp.concatenate([jnp.stack([target, box, player]), rows])
+            return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.stack(index).astype(jnp.int32), rows])
 
         return build_piece_renderer(self, tokenizer, slots, index_of, self._sample_obs(num_checks),
                                     self.text_of_obs)
 
     def _sample_obs(self, count: int) -> np.ndarray:
-        """Random one-box rooms: walled border, random interior walls, target, box and player in every relation."""
+        """Random rooms: walled border, random interior walls, ``num_boxes`` targets and boxes and the player, with
+        boxes and the player on targets in every combination."""
         height, width = self.dim_room
+        k = self.num_boxes
         rng = np.random.default_rng(0)
         out = []
-        for k in range(count):
+        for n in range(count):
             room = np.where(rng.random((height, width)) < 0.3, 0, 1).astype(np.int8)
             room[[0, -1], :], room[:, [0, -1]] = 0, 0
             inside = [(r, c) for r in range(1, height - 1) for c in range(1, width - 1)]
-            t, b, p = (inside[i] for i in rng.choice(len(inside), 3, replace=False))
-            room[t], room[b], room[p] = 2, 4, 5
-            if k % 3 == 1:
-                room[t], room[b] = 3, 1
-            elif k % 3 == 2:
-                room[t], room[p] = 6, 1
+            picks = [inside[i] for i in rng.choice(len(inside), 2 * k + 1, replace=False)]
+            targets, boxes, player = picks[:k], picks[k:2 * k], picks[-1]
+            for t, b in zip(targets, boxes):
+                room[t], room[b] = 2, 4
+            room[player] = 5
+            covered = rng.random(k) < 0.5 if n % 3 else np.arange(k) < n % 4
+            for t, b, on in zip(targets, boxes, covered):
+                if on:
+                    room[t], room[b] = 3, 1
+            free = [t for t, on in zip(targets, covered) if not on]
+            if n % 3 == 2 and free:
+                room[free[0]], room[player] = 6, 1
             out.append(room)
         return np.stack(out)
 

@@ -9,8 +9,9 @@ becomes an action code: a move id ``(r*n + c)*n + num - 1``, ``n³`` for values 
 no pattern matches. Each piece is passed through as one action, as on the host. ``\\d`` is Python's: any Unicode
 decimal digit (Arabic-Indic, full-width, …), with its value, as ``int()`` reads it.
 
-``SudokuRenderer`` renders the state as token slots (``envs.text_pieces``): the grid in box-wide chunks of
-``(2n+1)^√n`` variants each (so 16x16 is host-only), the feedback, valid-number lines and progress counters. A
+``SudokuRenderer`` renders the state as token slots (``envs.text_pieces``): the grid one cell per slot (the slot
+opens with the previous cell's closing ``]`` or space, so a cut falls after a digit or dot, where Qwen2's pre-tokenizer
+splits: ``2(2n+1)`` variants per cell), the feedback, valid-number lines and progress counters. A
 board never holds a conflict (a move that would make one is refused), so ``*N*`` cells and the conflict list
 never show. The one free text, the unparseable action echoed in ``Could not parse action: '{action}'``, goes
 through the tokenizer on the host (``jax.pure_callback``, each turn): BPE of arbitrary text is not a table
@@ -293,18 +294,18 @@ class SudokuDevice(TextEnvironment):
         n, nn = self.n, self.n ** 2
         b = math.isqrt(n)
         base = 2 * n + 1
-        if base ** b > 1 << 16:
-            raise ValueError(f"{self.tag}: grid_size={n} has no on-device renderer ({base}**{b} variants per box "
-                             "chunk): use agent_proxy.rollout_driver=host")
         cells = [" . "] + [f"[{v}]" for v in range(1, n + 1)] + [f" {v} " for v in range(1, n + 1)]
-        combos = ["".join(cells[k] for k in reversed(combo)) for combo in np.ndindex(*(base,) * b)]
         separator = "-" * (3 * n + b - 1)
-        first, middle = [t + "|" for t in combos], [" " + t + "|" for t in combos]
-        ends = {end: [(" " + t).rstrip() + end for t in combos] for end in ("\n", f"\n{separator}\n", "\n\n")}
+        # One slot per cell, cut after its value (or dot): the next slot opens with this cell's closing " " or "]".
+        cores = [t[:-1] for t in cells]
+        boundary = lambda k: "| " if k % b == 0 else ""
+        inner = {sep: [c + sep + t for c in " ]" for t in cores] for sep in ("", "| ")}
+        ends = ("\n", f"\n{separator}\n", "\n\n")
+        last = {end: [c + boundary(n - 1) + t.rstrip() + end for c in " ]" for t in cells] for end in ends}
         rows = []
         for r in range(n):
-            end = "\n\n" if r == n - 1 else f"\n{separator}\n" if (r + 1) % b == 0 else "\n"
-            rows += [first] + [middle] * (b - 2) + [ends[end]]
+            end = ends[2] if r == n - 1 else ends[1] if (r + 1) % b == 0 else ends[0]
+            rows += [cores] + [inner[boundary(k)] for k in range(1, n - 1)] + [last[end]]
         where = [(r, c) for r in range(n) for c in range(n)]
         done = "\n\U0001f389 Congratulations! Puzzle solved!"
         feedback = [""] + [f"\u274c Cannot modify initial cell at ({r + 1},{c + 1})\n\n" for r, c in where]
@@ -343,7 +344,8 @@ class SudokuDevice(TextEnvironment):
         def head_index(obs):
             board, initial, outcome, r, c, num, flags, _, masks = unpack(obs)
             code = jnp.where(board == 0, 0, jnp.where(initial, board, n + board))
-            chunks = jnp.sum(code.reshape(n, b, b) * base ** jnp.arange(b), axis=-1).ravel()
+            closer = jnp.pad((code[:, :-1] >= 1) & (code[:, :-1] <= n), ((0, 0), (1, 0)))  # "]" after a clue
+            chunks = (closer * base + code).ravel()
             move = (r * n + c) * n + num - 1
             solved = is_valid_grid(board).astype(jnp.int32)
             index = jnp.select([outcome == CANNOT_MODIFY, outcome == CORRECT, outcome == VALID,

@@ -2,10 +2,12 @@
 in the fused driver: the host driver's trajectories (greedy); Sudoku's on-device parser gives the host's moves."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 import envs
@@ -102,25 +104,39 @@ def test_the_sudoku_device_parser_gives_the_host_moves(setup):
         assert bool(out.format_penalty[k]) == (not actions)
 
 
-def test_the_9x9_sudoku_renderer_gives_the_tokenizer_encoding(setup):
-    """SimpleSudoku's tables (box chunks of three cells): ``state_renderer`` checks them on 24 sample states
-    (feedback of every kind, valid-number lines, echoes) against the whole-text encoding, and raises otherwise."""
-    env = envs.make("SimpleSudoku", envs.CUSTOM_ENVS_V2).device_env()
-    renderer = env.state_renderer(setup["tokenizer"], env.default_params, env.max_actions_per_traj, num_checks=24)
+@pytest.mark.parametrize("grid_size", [9, 16])
+def test_the_9x9_and_16x16_sudoku_renderers_give_the_tokenizer_encoding(setup, grid_size):
+    """SimpleSudoku's tables (one slot per cell, cut after its value): ``state_renderer`` checks them on sample
+    states (feedback of every kind, valid-number lines, echoes; two-digit values at 16x16) against the whole-text
+    encoding, and raises otherwise."""
+    env = envs.make("SimpleSudoku", envs.CUSTOM_ENVS_V2, grid_size=grid_size).device_env()
+    renderer = env.state_renderer(setup["tokenizer"], env.default_params, env.max_actions_per_traj,
+                                  num_checks=24 if grid_size == 9 else 8)
     obs, state = env.reset_env(jax.random.key(0), env.default_params)
     ids, length = renderer.tokens(obs)
     assert setup["tokenizer"].decode(ids[:length]) == env.render_text(state) + "\n"
     assert "[" in env.render_text(state) and "| " in env.render_text(state)
+    assert (grid_size == 16) == ("[16]" in env.render_text(state) or " 16 " in env.render_text(state))
 
 
-def test_v2_bandit_is_host_only_and_16x16_sudoku_names_the_limit(setup):
+@pytest.mark.parametrize("observation_format", ["grid_coord", "coord"])
+def test_two_box_coord_sokoban_renders_its_coordinate_lists_on_device(setup, observation_format):
+    """Multi-box coordinate lines (``Boxes: (1, 2), (3, 4)``): the tables are checked on rooms with boxes and the
+    player on and off targets when built, and a generated level's tokens are its text's encoding."""
+    env = envs.make("CoordSokoban", envs.CUSTOM_ENVS_V2, num_boxes=2, observation_format=observation_format)
+    renderer = env.state_renderer(setup["tokenizer"], env.default_params, env.max_actions_per_traj, num_checks=24)
+    obs, state = env.reset_env(jax.random.key(3), env.default_params)
+    ids, length = renderer.tokens(obs)
+    text = env.render_text(state)
+    assert setup["tokenizer"].decode(ids[:length]) == text + "\n"
+    assert len(re.findall(r"\(\d, \d\)", text)) == 5 and ("Grid Map" in text) == (observation_format == "grid_coord")
+
+
+def test_v2_bandit_is_host_only_and_sudoku_is_not(setup):
     with pytest.raises(ValueError, match="Bandit.*rollout_driver=host"):
         build_env_tables(envs.make("Bandit", envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)
     config = load_config("v2-sudoku-starpo-s-ppo", ["agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True"])
     assert config.agent_proxy.rollout_driver == "fused"  # no longer refused as host-only
-    big = envs.make("SimpleSudoku", envs.CUSTOM_ENVS_V2, grid_size=16)
-    with pytest.raises(ValueError, match="grid_size=16 has no on-device renderer.*rollout_driver=host"):
-        build_env_tables(big, setup["tokenizer"], SETTINGS)
 
 
 def test_a_config_override_of_max_tokens_reaches_the_fused_tables(setup):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from runtime.cpu_matmul import matmul
+from runtime.cpu_matmul import contract
 
 Axes = tuple[str | None, ...]
 _INIT = nnx.initializers.lecun_normal()
@@ -46,7 +46,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, lora_scale: float = 1.0) -> jax.Array:
         x = x.astype(self.dtype)
-        y = matmul(x, self.kernel.get_value().astype(self.dtype))
+        y = contract(x, self.kernel.get_value().astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias.get_value().astype(self.dtype)
         if self.lora is not None and lora_scale:

@@ -5,8 +5,8 @@ both operands. XLA:CPU lays the activation gradient out transposed for it and se
 several times slower than the same GEMM in YNNPACK (``bench/README.md``, UNet and LLM profiles). On the CPU,
 ``contract``'s backward transposes the narrower of ``x`` and ``dy`` into its own buffer first (an
 ``optimization_barrier`` keeps XLA from folding the transposes back into the dot), so that ``dW = (x^T) dy``
-(or ``((dy^T) x)^T``, the small transpose of the product done apart) is a row-major GEMM. The values are the same sums of products (up to the GEMM's
-blocking order).
+(or ``((dy^T) x)^T``, the small transpose of the product done apart) is a row-major GEMM. The values are the
+same sums of products (up to the GEMM's blocking order).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``runtime.cpu_matmul.contract``: the same values and gradients as ``dot_general``, and only the CPU's lowering changes."""
+"""``runtime.cpu_matmul.contract``: the values and gradients of ``dot_general``; only the CPU's lowering changes."""
 
 import jax
 import jax.numpy as jnp

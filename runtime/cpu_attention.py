@@ -4,7 +4,7 @@ XLA:CPU materialises all ``B x H x L_q x L_k`` scores and probabilities of ``jax
 keeps them for the backward and transposes them there (it sends a matmul contracting the leading axis of
 both operands to Eigen on a transposed copy). ``chunked_attention`` keeps only the output and each row's
 log-sum-exp, and its backward recomputes each chunk's probabilities in the keys x queries orientation, where
-every product but dQ's is a plain matmul. The UNet (``tdd_jax.models.attention``) and the decoder
+every product is a plain matmul (dQ is computed transposed). The UNet (``tdd_jax.models.attention``) and the decoder
 (``starpo_jax.models.transformer``) select it only when lowering for the CPU (``lax.platform_dependent``).
 """
 
@@ -64,11 +64,11 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
 
 def _chunked_forward(q, k, v, mask, chunk):
     scale = q.shape[-1] ** -0.5
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    k_t, vh = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
 
     def one(xs):
         qc, mc = xs
-        s = _masked(jnp.einsum("bhqd,bhkd->bhqk", qc, kh) * scale, mc)
+        s = _masked(jnp.einsum("bhqd,bhdk->bhqk", qc, k_t) * scale, mc)
         m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
         p = jnp.exp(s - m)
         total = p.sum(-1, keepdims=True)
@@ -83,26 +83,27 @@ def _chunked_forward(q, k, v, mask, chunk):
 def _chunked_backward(chunk, residuals, grad):
     q, k, v, mask, out, lse = residuals
     scale = q.shape[-1] ** -0.5
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    kh, vh, k_t = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)
     grad = _chunks(grad, chunk)
     delta = jnp.sum(grad * out, -1)  # rowsum(dO * O) = rowsum(P * dP)
 
-    def body(carry, xs):  # in the transposed domain (keys x queries): every product but dQ's is a plain matmul
+    def body(carry, xs):  # in the transposed domain (keys x queries), dQ transposed too
         dk, dv = carry
-        qc, gc, (max_c, log_sum_c), delta_c, mc = xs
+        qc, qc_t, gc, gc_t, (max_c, log_sum_c), delta_c, mc = xs
         mask_t = None if mc is None else jnp.swapaxes(mc, -1, -2)
-        s_t = _masked(jnp.einsum("bhkd,bhqd->bhkq", kh, qc) * scale, mask_t)
+        s_t = _masked(jnp.einsum("bhkd,bhdq->bhkq", kh, qc_t) * scale, mask_t)
         p_t = jnp.exp(s_t - max_c[..., None, :] - log_sum_c[..., None, :])
         dv = dv + jnp.einsum("bhkq,bhqd->bhkd", p_t, gc)
-        ds_t = p_t * (jnp.einsum("bhkd,bhqd->bhkq", vh, gc) - delta_c[..., None, :]) * scale
+        ds_t = p_t * (jnp.einsum("bhkd,bhdq->bhkq", vh, gc_t) - delta_c[..., None, :]) * scale
         if mask_t is not None:  # a masked score is a constant: no gradient (matters only in fully masked rows)
             ds_t = jnp.where(mask_t, ds_t, 0.0)
         dk = dk + jnp.einsum("bhkq,bhqd->bhkd", ds_t, qc)
-        return (dk, dv), jnp.einsum("bhkq,bhkd->bhqd", ds_t, kh)
+        return (dk, dv), jnp.einsum("bhdk,bhkq->bhdq", k_t, ds_t)  # dQ^T: a plain matmul, dQ's is not
 
-    xs = (_chunks(q, chunk), grad, lse, delta, _mask_chunks(mask, chunk))
-    (dk, dv), dq = jax.lax.scan(body, (jnp.zeros_like(kh), jnp.zeros_like(vh)), xs)
-    return _unchunk(dq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), None
+    q = _chunks(q, chunk)
+    xs = (q, jnp.swapaxes(q, -1, -2), grad, jnp.swapaxes(grad, -1, -2), lse, delta, _mask_chunks(mask, chunk))
+    (dk, dv), dq_t = jax.lax.scan(body, (jnp.zeros_like(kh), jnp.zeros_like(vh)), xs)
+    return _unchunk(jnp.swapaxes(dq_t, -1, -2)), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), None
 
 
 chunked_attention.defvjp(_chunked_forward, _chunked_backward)

@@ -97,8 +97,10 @@ def test_query_chunked_attention_equals_full_attention_with_gradients():
     (grads, logits), (grads_c, logits_c) = run(graphdef, params), run(chunked, params)
     valid = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(logits_c)[valid], np.asarray(logits)[valid], atol=1e-5, rtol=0)
+    # float32 sums over tokens in two different orders (blocked dot_product_attention vs the CPU attention,
+    # weight gradients as GEMMs; gradients up to ~7): the worst element sat at 0.9 of 1e-5 before the GEMMs
     for a, b in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-5, rtol=3e-5)
 
 
 def test_only_the_cpu_lowering_uses_the_cpu_attention():

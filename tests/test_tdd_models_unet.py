@@ -11,6 +11,7 @@ import torch
 from flax import nnx
 
 from tdd_jax.models.diffusers_io import TensorFile, load_module
+from tdd_jax.models.layers import GroupNorm
 from tdd_jax.models.unet import UNet2DConditionModel, UNetConfig, timestep_embedding
 
 SD15 = dict(
@@ -118,3 +119,14 @@ def test_bfloat16_compute_stays_close_to_float32():
     scale = np.abs(outputs["float32"]).max()
     error = np.abs(outputs["bfloat16"] - outputs["float32"]).max()
     assert scale > 0.1 and 0 < error < 0.05 * scale
+
+
+def test_group_norm_both_lowerings_match_numpy():
+    """The CPU's channel-sum statistics and the other platforms' grouped ones: both equal eq. 1 in NumPy."""
+    with nnx.use_eager_sharding(False):
+        norm = GroupNorm(4, 8, 1e-5, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).normal(3.0, 2.0, size=(2, 5, 3, 8)).astype(np.float32)
+    groups = x.astype(np.float64).reshape(2, -1, 4, 2)
+    want = ((groups - groups.mean((1, 3), keepdims=True)) / np.sqrt(groups.var((1, 3), keepdims=True) + 1e-5))
+    for normalise in (norm._normalise, norm._normalise_by_channel_sums):
+        np.testing.assert_allclose(jax.jit(normalise)(x), want.reshape(x.shape), rtol=1e-5, atol=1e-5)

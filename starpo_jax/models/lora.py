@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from runtime import cpu_matmul
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -71,7 +73,7 @@ class Dense(nnx.Module):
         n_in = len(self.in_shape)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
         x = x.astype(self.dtype)
-        y = jax.lax.dot_general(x, self.kernel[...].astype(self.dtype), (contract, ((), ())))
+        y = cpu_matmul.contract(x, self.kernel[...].astype(self.dtype), n_in)
         if self.lora_a is not None:
             down = jax.lax.dot_general(x, self.lora_a[...].astype(self.dtype), (contract, ((), ())))
             up = jnp.tensordot(down, self.lora_b[...].astype(self.dtype), axes=1)

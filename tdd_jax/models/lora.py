@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from runtime.cpu_matmul import contract
 from runtime.sharding import shard_state
 from tdd_jax.models.diffusers_io import torch_module_name
 from tdd_jax.models.layers import Conv, Linear, conv2d
@@ -63,8 +64,8 @@ class LoRA(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         a = self.lora_a.get_value().astype(x.dtype)
-        h = x @ a if self.conv is None else conv2d(x, a, *self.conv)
-        return self.scale * (h @ self.lora_b.get_value().astype(x.dtype))
+        h = contract(x, a) if self.conv is None else conv2d(x, a, *self.conv)
+        return self.scale * contract(h, self.lora_b.get_value().astype(x.dtype))
 
 
 def named_layers(model: nnx.Module) -> dict[str, Linear | Conv]:

@@ -8,6 +8,8 @@ time does not grow with depth. Inputs are left padded: ``tokens[B, T]`` with
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,21 +28,20 @@ RESIDUAL = ("batch", "length", "act_embed")
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int = 0,
-           unroll: bool = False) -> jax.Array:
+           unroll: bool = False, cpu_kernel: bool = False) -> jax.Array:
     """``jax.nn.dot_product_attention`` of ``q[B, T, H, D]``, ``chunk`` queries at a time when ``chunk > 0``.
 
     Each block is rematerialised in the backward pass, so only one block's ``[B, H, chunk, S]`` scores
     are ever live instead of all ``[B, H, T, S]``; every query row's softmax is the same as unblocked.
-    Without ``chunk``, a segment of several tokens lowered for the CPU runs ``_cpu_attention`` instead
-    (``lax.platform_dependent``: other platforms' programs keep ``dot_product_attention``).
+    Without ``chunk``, ``cpu_kernel`` runs a segment of several tokens through ``_cpu_attention`` instead
+    (``Decoder`` sets it in the CPU branch of its ``lax.platform_dependent``).
     ``unroll`` unrolls the loop over blocks (for XLA's cost analysis, which counts a loop body once).
     """
     t = q.shape[1]
     if not chunk or t <= chunk:
-        if t == 1:  # one decode step
-            return jax.nn.dot_product_attention(q, k, v, mask=mask)
-        return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attention,
-                                          default=lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m))
+        if cpu_kernel and t > 1:
+            return _cpu_attention(q, k, v, mask)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
     blocks = -(-t // chunk)
     pad = blocks * chunk - t
     q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -101,12 +102,13 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, c.rms_norm_eps, c.weight_dtype, rngs) if c.qk_norm else None
         self.config = config
 
-    def __call__(self, x, positions, mask, cache_kv=None):
+    def __call__(self, x, positions, mask, cache_kv=None, cpu_kernel=False):
         """Attends ``x[B, T, E]`` to itself, or to the cache after writing its keys/values there.
 
         Args:
           positions, mask: ``[B, T]`` position ids and validity of the segment.
           cache_kv: ``(keys, values, lengths)`` of this layer, or ``None`` (no cache).
+          cpu_kernel: attend with ``runtime.cpu_attention`` (``attend``).
 
         Returns:
           The output ``[B, T, E]`` and the updated ``(keys, values)`` (``None`` without a cache).
@@ -126,7 +128,8 @@ class Attention(nnx.Module):
             key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[2])
             k, v = jnp.swapaxes(k, 1, 2).astype(q.dtype), jnp.swapaxes(v, 1, 2).astype(q.dtype)
         bias_mask = kv_cache.attention_mask(positions, key_positions, key_valid)
-        out = attend(q, k, v, bias_mask, self.config.attention_chunk, unroll=not self.config.scan_layers)
+        out = attend(q, k, v, bias_mask, self.config.attention_chunk, unroll=not self.config.scan_layers,
+                     cpu_kernel=cpu_kernel)
         return self.o_proj(out), new_kv
 
 
@@ -153,8 +156,8 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype, rngs)
         self.mlp = MLP(config, lora, rngs)
 
-    def __call__(self, x, positions, mask, cache_kv=None):
-        h, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv)
+    def __call__(self, x, positions, mask, cache_kv=None, cpu_kernel=False):
+        h, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv, cpu_kernel)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), new_kv
 
@@ -184,24 +187,32 @@ class Decoder(nnx.Module):
         x = constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.compute_dtype), RESIDUAL)
         graphdef, layer_state = nnx.split(self.layers)
         if cache is None:
-            def body(h, state):
-                return constrain(nnx.merge(graphdef, state)(h, positions, mask)[0], RESIDUAL), None
+            def body(h, state, cpu_kernel):
+                return constrain(nnx.merge(graphdef, state)(h, positions, mask, None, cpu_kernel)[0], RESIDUAL), None
             carry, xs = x, layer_state
         else:
             new_lengths = lengths + jnp.sum(mask, axis=-1, dtype=jnp.int32)
 
             # The cache rides in the carry and each layer's slice is updated in place: scanning it as
             # xs -> ys would hold a second full cache (the decode loop's largest buffer).
-            def body(carry, inputs):
+            def body(carry, inputs, cpu_kernel):
                 h, keys, values = carry
                 state, layer = inputs
-                h, (k, v) = nnx.merge(graphdef, state)(h, positions, mask, (keys[layer], values[layer], new_lengths))
+                h, (k, v) = nnx.merge(graphdef, state)(h, positions, mask, (keys[layer], values[layer], new_lengths),
+                                                       cpu_kernel)
                 update = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, layer, 0)  # noqa: E731
                 return (constrain(h, RESIDUAL), update(keys, k), update(values, v)), None
             carry, xs = (x, cache.keys, cache.values), (layer_state, jnp.arange(self.config.num_layers))
-        if self.config.remat:
-            body = jax.checkpoint(body)
-        carry, _ = jax.lax.scan(body, carry, xs, unroll=1 if self.config.scan_layers else True)
+
+        def layers(carry, xs, cpu_kernel):
+            step = functools.partial(body, cpu_kernel=cpu_kernel)
+            step = jax.checkpoint(step) if self.config.remat else step
+            return jax.lax.scan(step, carry, xs, unroll=1 if self.config.scan_layers else True)[0]
+
+        # The platform is chosen around the layer loop, not inside it: a switch inside a differentiated loop
+        # leaves its branch index as a per-layer residual, and the TPU program then keeps both branches.
+        carry = jax.lax.platform_dependent(carry, xs, cpu=functools.partial(layers, cpu_kernel=True),
+                                           default=functools.partial(layers, cpu_kernel=False))
         if cache is None:
             return constrain(self.norm(carry), RESIDUAL), None
         x, keys, values = carry

@@ -33,8 +33,8 @@ def scale_group_counts(base: Sequence[int], total: int) -> tuple[int, ...]:
 def analysis_config(config: StarPOConfig) -> StarPOConfig | None:
     """``config`` with the analysis rollout's shape as ``es_manager.train``; ``None`` when it is the training's."""
     trainer, train = config.trainer, config.es_manager.train
-    env_groups = train.env_groups if trainer.gradient_analysis_env_groups is None else trainer.gradient_analysis_env_groups
-    group_size = train.group_size if trainer.gradient_analysis_group_size is None else trainer.gradient_analysis_group_size
+    env_groups = trainer.gradient_analysis_env_groups or train.env_groups  # None: the training's (>= 1 checked)
+    group_size = trainer.gradient_analysis_group_size or train.group_size
     if (env_groups, group_size) == (train.env_groups, train.group_size):
         return None
     env_configs = dataclasses.replace(train.env_configs,

@@ -194,7 +194,8 @@ def _validate_gradient_analysis(config: StarPOConfig) -> None:
     shaped = analysis_config(config)
     _require(shaped is not None or not trainer.gradient_analysis_log_prefilter,
              "trainer.gradient_analysis_log_prefilter analyses the separate analysis batch before its filter: set "
-             "trainer.gradient_analysis_env_groups or gradient_analysis_group_size to a shape other than es_manager.train's")
+             "trainer.gradient_analysis_env_groups or gradient_analysis_group_size to a shape other than "
+             "es_manager.train's")
     if shaped is None:
         return
     analysis = shaped.es_manager.train

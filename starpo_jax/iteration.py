@@ -203,7 +203,8 @@ def run_epochs(step: Callable, state: TrainState, frozen: Any, batch: Any, mini_
     return state, metrics
 
 
-def filter_entropies(learner: Learner, actor: TrainState, traj: Trajectory, config: StarPOConfig) -> np.ndarray | None:
+def filter_entropies(learner: Learner, actor: TrainState, traj: Trajectory,
+                     config: StarPOConfig) -> np.ndarray | None:
     """Each trajectory's mean token entropy Σ(H·loss_mask) / max(Σ loss_mask, 1) under the current policy, when
     ``config``'s filter ranks by entropy (RAGEN-2's extra log-prob pass over the whole batch, ragen2.md §4.3)."""
     if not filters_on_entropy(config):
@@ -287,11 +288,11 @@ def separate_analysis_batches(actor: TrainState, critic: TrainState | None, lear
     metrics |= {f"grad_analysis/{k.split('/', 1)[-1]}": v for k, v in filtered.items()}
     passes = []
     if config.trainer.gradient_analysis_log_prefilter:
-        everything, everything_normalized, _, everything_std = select_groups(traj, keep_all_config(shaped), num_tags, step)
+        whole, whole_normalized, _, whole_std = select_groups(traj, keep_all_config(shaped), num_tags, step)
         metrics |= {"grad_analysis_prefilter/source_batch_size": float(len(traj.group_ids)),
-                    "grad_analysis_prefilter/adjusted_batch_size": float(len(everything.group_ids))}
-        passes.append(("grad_norm_prefilter", prepare_batch(actor, critic, learner, everything, everything_normalized,
-                                                            shaped, 1.0), everything.group_ids, everything_std))
+                    "grad_analysis_prefilter/adjusted_batch_size": float(len(whole.group_ids))}
+        prepared = prepare_batch(actor, critic, learner, whole, whole_normalized, shaped, 1.0)
+        passes.append(("grad_norm_prefilter", prepared, whole.group_ids, whole_std))
     if len(batch.group_ids):
         metrics["grad_analysis/adjusted_batch_size"] = float(len(batch.group_ids))
         prepared = prepare_batch(actor, critic, learner, batch, normalized, shaped,

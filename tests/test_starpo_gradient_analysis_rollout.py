@@ -20,7 +20,8 @@ from test_starpo_ragen2_wiring import BASE, V2_FILTER, tiny_run
 
 ANALYSIS = BASE + (V2_FILTER + "top_k_abs", "actor_rollout_ref.rollout.rollout_filter_value=1", "ragen_version=v2",
                    "agent_proxy.reward_normalization.method=identity", "trainer.gradient_analysis_mode=True",
-                   "actor_rollout_ref.rollout.gradient_analysis_num_buckets=1", "actor_rollout_ref.rollout.temperature=0.7")
+                   "actor_rollout_ref.rollout.gradient_analysis_num_buckets=1",
+                   "actor_rollout_ref.rollout.temperature=0.7")
 SEPARATE = ("trainer.gradient_analysis_env_groups=2", "trainer.gradient_analysis_group_size=8",
             "trainer.gradient_analysis_log_prefilter=True")
 
@@ -28,8 +29,9 @@ SEPARATE = ("trainer.gradient_analysis_env_groups=2", "trainer.gradient_analysis
 def analysis_trajectory():
     """The fixture trajectory regrouped as 2 groups of 8 (the separate rollout's shape), with other scores."""
     traj = trajectory()
-    scores = np.repeat([[1, 0, 0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 1, 0, 1]], 1, axis=0).reshape(-1).astype(np.float32)
-    return traj._replace(scores=scores, penalty=np.zeros_like(scores), group_ids=np.repeat(np.arange(2), 8).astype(np.int32))
+    scores = np.array([1, 0, 0, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 1], np.float32)
+    return traj._replace(scores=scores, penalty=np.zeros_like(scores),
+                         group_ids=np.repeat(np.arange(2), 8).astype(np.int32))
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +44,11 @@ def setup():
     return config, mesh, learner, actor, graphdef
 
 
-def run(setup, *overrides, traj=None):
+def run(setup, *overrides):
     config, mesh, learner, actor, _ = setup
     config = load_config("starpo-s-grpo", ANALYSIS + overrides)
     with jax.set_mesh(mesh):  # a copy: the actor step donates its state
-        trained, _, metrics = update(jax.tree.map(jnp.copy, actor), None, learner, trajectory() if traj is None else traj, config,
+        trained, _, metrics = update(jax.tree.map(jnp.copy, actor), None, learner, trajectory(), config,
                                      analysis_rollout=analysis_trajectory)
     return trained, metrics
 

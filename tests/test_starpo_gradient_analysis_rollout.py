@@ -122,23 +122,20 @@ def test_only_skips_the_updates_and_exit_returns_before_the_actor_step(setup):
     assert metrics["grad_norm_prefilter/all/sample_count"] == 16 and "grad_norm/all/task" not in metrics
 
 
-def test_tiny_run_analyses_a_separate_rollout_then_a_probe_of_its_checkpoint_exits(checkpoint, tmp_path):  # noqa: F811
+def test_tiny_run_probe_of_a_checkpoint_analyses_a_separate_rollout_then_exits(checkpoint, tmp_path):  # noqa: F811
     out = tmp_path / "run"
-    analysis = (V2_FILTER + "top_p", "trainer.gradient_analysis_mode=True", *SEPARATE,
-                "actor_rollout_ref.rollout.gradient_analysis_num_buckets=1")  # one grad-norm shape: few compiles
-    tiny_run(checkpoint, out, 1, *analysis)
+    tiny_run(checkpoint, out, 1, V2_FILTER + "top_p")
+    # Probe the saved step: no update, the step counter not advanced, the run ends right after the analysis.
+    probe = ("trainer.gradient_analysis_mode=True", *SEPARATE, "trainer.gradient_analysis_only=True",
+             "trainer.exit_after_gradient_analysis=True", "actor_rollout_ref.rollout.gradient_analysis_num_buckets=1")
+    tiny_run(checkpoint, out, 1, V2_FILTER + "top_p", *probe, "--allow-change", ",".join(k.split("=")[0] for k in probe))
     rows = read_jsonl(out / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1] and rows[0]["grad_analysis/uses_training_batch"] == 0.0
-    assert rows[0]["grad_analysis/source_batch_size"] == 16 and "actor/pg_loss" in rows[0]
-    assert "critic/vf_loss" in rows[0] and "grad_norm/all/group_rv_table" not in rows[0]
+    assert [row["step"] for row in rows] == [1, 1] and "actor/pg_loss" in rows[0] and "actor/pg_loss" not in rows[1]
+    assert rows[1]["trainer/exited_after_gradient_analysis"] == 1.0 and "grad_norm/all/task" in rows[1]
+    assert rows[1]["critic/skipped_for_gradient_analysis_only"] == 1.0
+    assert rows[1]["grad_analysis/uses_training_batch"] == 0.0 and rows[1]["grad_analysis/source_batch_size"] == 16
+    assert "grad_norm/all/group_rv_table" not in rows[1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
     tables = read_jsonl(out / TABLES_FILE)
     assert {t["key"] for t in tables} >= {"grad_norm/all/group_rv_table", "grad_norm_prefilter/all/group_rv_table"}
     assert all(t["step"] == 1 and t["columns"] == ["bucket", "group_id", "reward_std"] for t in tables)
-    # Probe the saved step: no update, the step counter not advanced, the run ends right after the analysis.
-    probe = ("trainer.gradient_analysis_only=True", "trainer.exit_after_gradient_analysis=True")
-    tiny_run(checkpoint, out, 1, *analysis, *probe, "--allow-change", ",".join(k.split("=")[0] for k in probe))
-    rows = read_jsonl(out / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 1]
-    assert rows[1]["trainer/exited_after_gradient_analysis"] == 1.0 and "grad_norm/all/task" in rows[1]
-    assert rows[1]["critic/skipped_for_gradient_analysis_only"] == 1.0 and "actor/pg_loss" not in rows[1]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from gymnax.environments import environment, spaces
 
 from envs.text_states import distinct_reset_states
+from envs.tokens import build_response_parser
 
 
 def step_info(success: jax.Array, action_is_valid: jax.Array, action_is_effective: jax.Array) -> dict:
@@ -94,6 +95,15 @@ class TextEnvironment(environment.Environment):
     def step_reward_values(self, params) -> tuple[float, ...]:
         """Every float32 reward one ``step_env`` can return (the alphabet of the reward-text automaton)."""
         raise NotImplementedError
+
+    def response_parser(self, tokenizer, enable_think: bool, max_actions: int):
+        """The parser of generated ids (``parse(ids, length, actions_left) -> envs.tokens.ParsedActions``).
+
+        RAGEN's case-insensitive lookup of ``action_names``. A parser whose ``ParsedActions.context`` is not
+        None (Sudoku's free-text moves) also has the driver call ``begin_turn(state, context)`` before the
+        turn's actions are stepped.
+        """
+        return build_response_parser(tokenizer, self.action_names, enable_think, max_actions)
 
     def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
         """A pytree whose ``tokens(obs, actions_left) -> (ids, length)`` renders a state on device.

@@ -2,22 +2,26 @@
 
 ``observation_format`` is ``grid`` (V1), ``coord`` (the coordinates block alone) or ``grid_coord``
 (``"Coordinates: \\n" + block + "\\nGrid Map: \\n" + grid``). FrozenLake also takes RAGEN-2's ``success_rate``.
-On the fused driver, one-box Sokoban renders every format (coordinate lines as token slots); FrozenLake's
-coordinate formats and multi-box Sokoban's are host-only.
+On the fused driver, one-box Sokoban and FrozenLake render every format (coordinate lines as token slots);
+multi-box Sokoban's coordinate formats are host-only. FrozenLake's observation codes hide the start tile (it
+shows as ``_``), so its coordinate formats add code 6 (``START_CODE``, drawn ``_``) for an unoccupied start.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gymnax.environments import spaces
 
 from envs.base import render_grid
 from envs.text_pieces import build_piece_renderer
 from envs.tokens import _row_texts, build_grid_renderer
-from envs.frozen_lake import GOAL, HOLE, START, FrozenLake, FrozenLakeParams
+from envs.frozen_lake import GRID_LOOKUP, START, FrozenLake, FrozenLakeParams, FrozenLakeState
 from envs.sokoban import PLAYER_ON_TARGET, Sokoban
 from envs.sokoban_generation import BOX, BOX_ON_TARGET, PLAYER, TARGET
 
 FORMATS = ("grid", "coord", "grid_coord")
+START_CODE = 6  # CoordFrozenLake's coordinate formats: the start tile while the player is elsewhere
+PLAYER_LABELS = ("Player", "Player in hole", "Player on goal")  # observation codes 0, 4, 5
 COORD_SOKOBAN_INSTRUCTION = (
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n"
     "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n"
@@ -96,7 +100,7 @@ class CoordSokoban(Sokoban):
                   for label in ("Player", "Player on target") for r, c in cells]]
         symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
         if grid:
-            slots += [_row_texts(symbols, width, True) for _ in range(height)]
+            slots += [_row_texts(symbols, width, True)] * height  # one table for every row
         radix = len(symbols) ** jnp.arange(width - 2)
 
         def index_of(obs):
@@ -160,19 +164,76 @@ class CoordFrozenLake(FrozenLake):
         self.params = FrozenLakeParams(p=self.params.p, is_slippery=self.params.is_slippery,
                                        success_rate=float(success_rate))
         self.observation_format = _check_format(observation_format)
+        if self.observation_format != "grid":
+            self.grid_lookup = {**GRID_LOOKUP, START_CODE: "_"}
+
+    def get_obs(self, state, params=None, key=None) -> jax.Array:
+        """FrozenLake's codes, plus ``START_CODE`` on an unoccupied start tile in the coordinate formats."""
+        codes = super().get_obs(state, params, key)
+        if self.observation_format == "grid":
+            return codes
+        start = (state.desc == START) & (codes == 1)
+        return jnp.where(start, START_CODE, codes).astype(jnp.int8)
+
+    def observation_space(self, params=None) -> spaces.Box:
+        return spaces.Box(0, max(self.grid_lookup), (self.size, self.size), jnp.int8)
 
     def render_text(self, state) -> str:
-        desc = np.asarray(jax.device_get(state.desc))
-        here = np.zeros(desc.shape, bool)
-        here.ravel()[int(state.position)] = True
-        tile = desc.ravel()[int(state.position)]
-        player = "Player on goal" if tile == GOAL else "Player in hole" if tile == HOLE else "Player"
-        block = coordinate_block(desc.shape, [("Start", desc == START), ("Goal", desc == GOAL), (player, here),
-                                              ("Holes", desc == HOLE)])
-        return compose(self.observation_format, block, render_grid(self.observe(state), self.grid_lookup))
+        return self.text_of_obs(np.asarray(jax.device_get(self.observe(state))))
 
-    def state_renderer(self, tokenizer, params, max_actions_per_traj: int):
-        return grid_only_renderer(self, tokenizer)
+    def text_of_obs(self, obs: np.ndarray) -> str:
+        """The observation text of ``get_obs`` codes (the start is the player's cell when no code 6 shows)."""
+        player = np.isin(obs, (0, 4, 5))
+        start = obs == START_CODE if (obs == START_CODE).any() else player
+        label = PLAYER_LABELS[(0, 4, 5).index(int(obs[player][0]))]
+        block = coordinate_block(obs.shape, [("Start", start), ("Goal", np.isin(obs, (3, 5))), (label, player),
+                                             ("Holes", np.isin(obs, (2, 4)))])
+        return compose(self.observation_format, block, render_grid(obs, self.grid_lookup))
+
+    def state_renderer(self, tokenizer, params, max_actions_per_traj: int, num_checks: int = 64):
+        """The grid format's row tables, or the coordinate lines as slots (one per hole cell), then the grid rows."""
+        if self.observation_format == "grid":
+            return build_grid_renderer(self, tokenizer)
+        size = self.size
+        cells = [(r, c) for r in range(size) for c in range(size)]
+        grid = self.observation_format == "grid_coord"
+        head = ("Coordinates: \n" if grid else "") + f"Board size: {size} rows x {size} cols (zero-indexed).\n"
+        slots = [[f"{head}Start: ({r}, {c})\n" for r, c in cells], [f"Goal: ({r}, {c})\n" for r, c in cells],
+                 [f"{label}: ({r}, {c})\n" for label in PLAYER_LABELS for r, c in cells], ["", "Holes:"]]
+        slots += [["", f" ({r}, {c}),", f" ({r}, {c})\n"] for r, c in cells]  # a hole, then the last hole
+        symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
+        if grid:
+            slots += [["Grid Map: \n"]] + [_row_texts(symbols, size, False)] * size  # one table for every row
+        radix = len(symbols) ** jnp.arange(size)
+
+        def index_of(obs):
+            flat = obs.ravel().astype(jnp.int32)
+            player = jnp.argmax((flat == 0) | (flat == 4) | (flat == 5))
+            start = jnp.where(jnp.any(flat == START_CODE), jnp.argmax(flat == START_CODE), player)
+            goal = jnp.argmax((flat == 3) | (flat == 5))
+            label = jnp.select([flat[player] == 4, flat[player] == 5], [1, 2], 0)
+            holes = ((flat == 2) | (flat == 4)).astype(jnp.int32)
+            later = jnp.cumsum(holes[::-1])[::-1] - holes
+            items = holes * jnp.where(later == 0, 2, 1)
+            head = jnp.stack([start, goal, label * len(cells) + player, jnp.any(holes > 0).astype(jnp.int32)])
+            rows = jnp.sum(obs.astype(jnp.int32) * radix, axis=1) if grid else jnp.zeros(0, jnp.int32)
+            return jnp.concatenate([head, items, jnp.zeros(int(grid), jnp.int32), rows])
+
+        return build_piece_renderer(self, tokenizer, slots, index_of, self._sample_obs(num_checks), self.text_of_obs)
+
+    def _sample_obs(self, count: int) -> np.ndarray:
+        """Random maps (about a third holes) with the player anywhere: on the start, a hole, the goal or ice."""
+        rng = np.random.default_rng(0)
+        states = []
+        for k in range(count):
+            desc = np.where(rng.random(self.size * self.size) < 0.3, ord("H"), ord("F")).astype(np.uint8)
+            start, goal = rng.choice(desc.size, 2, replace=False)
+            desc[start], desc[goal] = START, ord("G")
+            position = start if k % 4 == 0 else rng.integers(desc.size)
+            states.append(FrozenLakeState(jnp.asarray(desc.reshape(self.size, self.size)), jnp.int32(position),
+                                          jnp.int32(0)))
+        batch = jax.tree.map(lambda *x: jnp.stack(x), *states)
+        return np.asarray(jax.vmap(self.get_obs)(batch))
 
     def step_reward_values(self, params) -> tuple[float, ...]:
         return (0.0, 1.0)

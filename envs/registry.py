@@ -39,9 +39,11 @@ for _name, _cls in (("bandit", Bandit), ("sokoban", Sokoban), ("frozen_lake", Fr
 
 
 def runs_on_device(env_type: str) -> bool:
-    """Whether ``env_type`` implements the fused driver's interface (``TextEnvironment.step_reward_values``)."""
-    method = getattr(ENV_TYPES[env_type], "step_reward_values", TextEnvironment.step_reward_values)
-    return method is not TextEnvironment.step_reward_values
+    """Whether ``env_type`` implements the fused driver's interface (``TextEnvironment.step_reward_values``) or
+    has an on-device twin (``device_env()``, Sudoku's)."""
+    cls = ENV_TYPES[env_type]
+    method = getattr(cls, "step_reward_values", TextEnvironment.step_reward_values)
+    return hasattr(cls, "device_env") or method is not TextEnvironment.step_reward_values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ and the clue counts are exact; like the reference, uniqueness of the solution is
 
 Actions are free text (RAGEN's Sudoku has no ``action_lookup``): ``SudokuEnv`` parses them on the host with
 the reference's six patterns, steps the jitted core with the move id and renders the ``with_feedback`` text.
+Its ``device_env`` (``envs.sudoku_fused``) is the fused driver's twin: the patterns parsed and the text rendered
+as tokens on device.
 """
 
 import math
@@ -171,8 +173,16 @@ def parse_move(action: str, n: int) -> tuple[int, int, int] | str:
             a, b, c = (int(g) for g in match.groups())
             num, row, col = (a, b, c) if ("place" in text or "at" in text) else (c, a, b)
             if not (1 <= row <= n and 1 <= col <= n and 1 <= num <= n):
-                return f"Values out of range: row and col must be in 1-{n}, number in 1-{n}"
+                return out_of_range_text(n)
             return row, col, num
+    return parse_error_text(action)
+
+
+def out_of_range_text(n: int) -> str:
+    return f"Values out of range: row and col must be in 1-{n}, number in 1-{n}"
+
+
+def parse_error_text(action: str) -> str:
     return f"Could not parse action: '{action}'. Expected format: 'place 5 at row 2 col 3' or '2,3,5'"
 
 
@@ -265,7 +275,8 @@ class SudokuEnv(HostTextEnv):
         self.state, self.feedback = None, ""
 
     def reset(self, seed: int) -> str:
-        self.state = jax.device_get(self._reset(jax.random.key(seed), self.core.params)[1])
+        """A puzzle drawn from ``fold_in(key(seed), 0)``, as ``GymnaxHostEnv`` and the fused driver draw levels."""
+        self.state = jax.device_get(self._reset(jax.random.fold_in(jax.random.key(seed), 0), self.core.params)[1])
         self.feedback = ""
         return self.render()
 
@@ -284,7 +295,12 @@ class SudokuEnv(HostTextEnv):
         info = {k: bool(v) for k, v in info.items()}
         return self.render(), self.reward_value(float(reward)), bool(done), info
 
-    def reward_value(self, reward: float) -> float:
+    def device_env(self):
+        """The fused driver's on-device twin of this environment (``envs.sudoku_fused.SudokuDevice``)."""
+        from envs.sudoku_fused import SudokuDevice
+        return SudokuDevice(self)
+
+    def reward_value(self, reward: float, params=None) -> float:
         """The configured Python double nearest to the float32 reward."""
         p = self.core.params
         values = (p.invalid_action_score, p.valid_placement_score, p.correct_placement_score,

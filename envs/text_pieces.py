@@ -30,36 +30,53 @@ class PieceRenderer(NamedTuple):
         return concat_rows(self.ids[rows], self.lengths[rows])
 
 
-def build_piece_renderer(env, tokenizer, slots: Sequence[Sequence[str]], index_of: Callable,
-                         sample_obs: np.ndarray, text_of: Callable[[np.ndarray], str]) -> PieceRenderer:
-    """Tables for ``slots``, verified on ``sample_obs`` against ``text_of(obs) + "\\n"`` encoded whole.
+def piece_tables(tokenizer, slots: Sequence[Sequence[str]], index_of: Callable) -> PieceRenderer:
+    """Every slot variant tokenised on its own, unchecked (``build_piece_renderer`` checks them).
 
-    Raises:
-        ValueError: naming the environment and tokenizer when the pieces do not concatenate to the
-            whole encoding (alone or between ``State:\\n`` and ``You have 10 actions left.``).
+    A variant list passed (as the same object) for several slots, e.g. one per grid row, is stored once.
     """
-    variants = [text for slot in slots for text in slot]
-    encoded = [list(ids) for ids in tokenizer(variants, add_special_tokens=False)["input_ids"]]
+    unique = list({id(slot): slot for slot in slots}.values())
+    texts = [text for slot in unique for text in slot]
+    encoded = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     table = np.zeros((len(encoded), max(1, max(len(e) for e in encoded))), np.int32)
     for i, ids in enumerate(encoded):
         table[i, :len(ids)] = ids
-    offsets = np.cumsum([0] + [len(slot) for slot in slots[:-1]])
-    renderer = PieceRenderer(jnp.asarray(table), jnp.asarray([len(e) for e in encoded], jnp.int32),
-                             jnp.asarray(offsets, jnp.int32), index_of)
+    starts = dict(zip((id(slot) for slot in unique), np.cumsum([0] + [len(slot) for slot in unique[:-1]])))
+    offsets = [starts[id(slot)] for slot in slots]
+    return PieceRenderer(jnp.asarray(table), jnp.asarray([len(e) for e in encoded], jnp.int32),
+                         jnp.asarray(offsets, jnp.int32), index_of)
+
+
+def build_piece_renderer(env, tokenizer, slots: Sequence[Sequence[str]], index_of: Callable,
+                         sample_obs: np.ndarray, text_of: Callable[[np.ndarray], str]) -> PieceRenderer:
+    """Tables for ``slots``, verified on ``sample_obs`` against ``text_of(obs) + "\n"`` encoded whole.
+
+    Raises:
+        ValueError: naming the environment and tokenizer when the pieces do not concatenate to the
+            whole encoding (alone or between ``State:\n`` and ``You have 10 actions left.``).
+    """
+    renderer = piece_tables(tokenizer, slots, index_of)
     indices = np.asarray(jax.vmap(index_of)(jnp.asarray(sample_obs)))
     for obs, index in zip(sample_obs, indices):
         text = text_of(obs) + "\n"
         if "".join(slot[i] for slot, i in zip(slots, index)) != text:
             raise ValueError(f"{env.tag}: the slot variants do not spell the rendered state {text!r}")
+    check_state_tokens(env, tokenizer, renderer.tokens, sample_obs, text_of)
+    return renderer
+
+
+def check_state_tokens(env, tokenizer, tokens: Callable, sample_obs: np.ndarray,
+                       text_of: Callable[[np.ndarray], str]) -> None:
+    """Raises unless ``tokens(obs)`` is the encoding of ``text_of(obs) + "\n"``, alone and in context."""
+    ids, lengths = (np.asarray(x) for x in jax.jit(jax.vmap(tokens))(jnp.asarray(sample_obs)))
     texts = [text_of(obs) + "\n" for obs in sample_obs]
     before, after = "State:\n", "You have 10 actions left."
     whole = tokenizer(texts + [before + t + after for t in texts] + [before, after], add_special_tokens=False)
     whole = [list(ids) for ids in whole["input_ids"]]
     before_ids, after_ids = whole[-2:]
-    for k, (obs, index) in enumerate(zip(sample_obs, indices)):
-        pieces = sum((encoded[offsets[s] + i] for s, i in enumerate(index)), [])
+    for k in range(len(texts)):
+        pieces = [int(t) for t in ids[k, :lengths[k]]]
         if pieces != whole[k] or before_ids + pieces + after_ids != whole[len(texts) + k]:
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise ValueError(f"{env.tag} states cannot be rendered piece by piece with tokenizer {name!r}: its "
                              f"merges cross slot boundaries, e.g. in {texts[k]!r}; use the host driver")
-    return renderer

@@ -12,7 +12,7 @@ UTF-8 bytes. On valid UTF-8 it agrees with the host parser.
 """
 
 import itertools
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -183,6 +183,10 @@ class ResponseParser(NamedTuple):
     enable_think: bool
     max_actions: int
 
+    def parse(self, ids: jax.Array, length: jax.Array, actions_left=None) -> "ParsedActions":
+        """``parse_tokens`` of one response (the fused driver's parser interface)."""
+        return parse_tokens(self, ids, length, actions_left)
+
 
 class ParsedActions(NamedTuple):
     """Device parse of one response; mirrors ``envs.text.TurnActions``."""
@@ -192,6 +196,7 @@ class ParsedActions(NamedTuple):
     num_parsed: jax.Array  # non-empty pieces of the answer, at most ``max_actions``
     format_penalty: jax.Array
     matched: jax.Array
+    context: Any = None  # what an environment's ``begin_turn`` reads off the response (Sudoku: its pieces)
 
 
 def build_response_parser(tokenizer, action_names: Sequence[str], enable_think: bool = True,
@@ -268,8 +273,11 @@ def _decode(parser: ResponseParser, ids: jax.Array, length: jax.Array) -> tuple[
     return buf, lengths.sum()
 
 
-def parse_tokens(parser: ResponseParser, ids: jax.Array, length: jax.Array, actions_left=None) -> ParsedActions:
-    """RAGEN's parse of ``forced tag + decode(ids[:length])``: actions to run and the penalty flag."""
+def answer_bytes(parser: ResponseParser, ids: jax.Array, length: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The answer group of ``forced tag + decode(ids[:length])`` with RAGEN's literal removals, original case.
+
+    Returns ``(bytes, length, matched)``; ``bytes`` is 0 past ``length``.
+    """
     body, body_len = _decode(parser, ids, length)
     prefix = np.frombuffer(b"<think>" if parser.enable_think else b"<answer>", np.uint8)
     text = jnp.concatenate([jnp.asarray(prefix), body])
@@ -297,6 +305,12 @@ def parse_tokens(parser: ResponseParser, ids: jax.Array, length: jax.Array, acti
     answer_len = jnp.where(matched, end - start - 8, 0)
     for literal in (token.encode() for token in SPECIAL_TOKENS):
         answer, answer_len = _compact(answer, answer_len, _spread(_occurrences(answer, answer_len, literal), len(literal)))
+    return answer, answer_len, matched
+
+
+def parse_tokens(parser: ResponseParser, ids: jax.Array, length: jax.Array, actions_left=None) -> ParsedActions:
+    """RAGEN's parse of ``forced tag + decode(ids[:length])``: actions to run and the penalty flag."""
+    answer, answer_len, matched = answer_bytes(parser, ids, length)
     for char, lowered in ASCII_LOWERED:
         hits = _occurrences(answer, answer_len, char)
         answer = jnp.where(hits, lowered[0], answer)
@@ -305,7 +319,16 @@ def parse_tokens(parser: ResponseParser, ids: jax.Array, length: jax.Array, acti
     return _split_and_match(parser, answer, answer_len, actions_left, matched)
 
 
-def _split_and_match(parser: ResponseParser, answer, n, actions_left, matched) -> ParsedActions:
+class PieceSpans(NamedTuple):
+    """The answer's ``||`` pieces, each stripped of Unicode whitespace: ``answer[lo[k]:hi[k]]`` for rank k."""
+
+    lo: jax.Array  # (max_actions,) first byte of the k-th non-empty piece
+    hi: jax.Array  # (max_actions,) one past its last byte
+    num_parsed: jax.Array  # non-empty pieces, at most ``max_actions``
+
+
+def _pieces(answer: jax.Array, n: jax.Array):
+    """Per segment (indexed by its number of separators before it): stripped bounds and whether non-empty."""
     size = answer.shape[0]
     positions = jnp.arange(size)
     bar = (answer == ord("|")) & (positions < n)
@@ -318,15 +341,27 @@ def _split_and_match(parser: ResponseParser, answer, n, actions_left, matched) -
     segment = jnp.where(content, piece, size)
     lo = jax.ops.segment_min(jnp.where(content, positions, size), segment, num_segments=size + 1)[:size]
     hi = jax.ops.segment_max(jnp.where(content, positions + 1, -1), segment, num_segments=size + 1)[:size]
-    nonempty = hi > lo
-    rank = jnp.cumsum(nonempty) - 1
-    num_parsed = jnp.minimum(nonempty.sum(), parser.max_actions)
+    return lo, hi, hi > lo
 
+
+def piece_spans(answer: jax.Array, n: jax.Array, max_actions: int) -> PieceSpans:
+    """``[piece.strip() for piece in answer.split("||") if piece.strip()][:max_actions]`` as byte spans."""
+    lo, hi, nonempty = _pieces(answer, n)
+    rank = jnp.cumsum(nonempty) - 1
+    index = jax.vmap(lambda r: jnp.argmax(nonempty & (rank == r)))(jnp.arange(max_actions))
+    num_parsed = jnp.minimum(nonempty.sum(), max_actions)
+    inside = jnp.arange(max_actions) < num_parsed
+    return PieceSpans(jnp.where(inside, lo[index], 0), jnp.where(inside, hi[index], 0), num_parsed)
+
+
+def _split_and_match(parser: ResponseParser, answer, n, actions_left, matched) -> ParsedActions:
+    size = answer.shape[0]
+    spans = piece_spans(answer, n, parser.max_actions)
+    num_parsed = spans.num_parsed
     name_width = parser.names.shape[1]
 
     def action_of(r):
-        index = jnp.argmax(nonempty & (rank == r))
-        start, span = lo[index], hi[index] - lo[index]
+        start, span = spans.lo[r], spans.hi[r] - spans.lo[r]
         window = answer[jnp.minimum(start + jnp.arange(name_width), size - 1)]
         inside = jnp.arange(name_width)[None] < parser.name_lengths[:, None]
         equal = jnp.all(jnp.where(inside, window[None] == parser.names, True), axis=1) & (span == parser.name_lengths)

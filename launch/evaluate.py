@@ -32,6 +32,7 @@ from runtime.checkpoint import Checkpointer
 from runtime.mesh import make_mesh
 from runtime.run_folder import check_output
 from starpo_jax.config import EnvConfigs, EnvGroupsConfig, StarPOConfig
+from starpo_jax.episodes import Episodes
 from starpo_jax.iteration import build_learner
 from starpo_jax.models.hf_io import check_model_folder, load_pretrained
 from starpo_jax.presets import PRESETS, load_config, mesh_config
@@ -103,7 +104,7 @@ def evaluate(config: StarPOConfig, mesh, tags: Sequence[str], states: int, sampl
                                                  graphdef, model_config, sampler_config, tokenizer, settings, mesh)
                 traj, chunk = players[count](params, config.seed.val + start,
                                              jax.random.fold_in(jax.random.key(config.seed.val), start))
-                scores.append(traj.scores)
+                scores.append(np.asarray(traj.scores)[Episodes(traj.episode_ids, len(traj.scores)).first])
                 rows += chunk
             prefix = f"eval/{tag}/"
             metrics = env_metrics(rows, np.zeros(len(rows), int), np.concatenate(scores), (tag,), "eval")

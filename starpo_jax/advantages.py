@@ -102,32 +102,48 @@ def compute_grpo_outcome_advantage(token_level_rewards: jax.Array, loss_mask: ja
 
 
 def compute_grpo_group_advantage(token_level_rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array,
-                                 norm_adv_by_std: bool = True, epsilon: float = 1e-6) -> AdvantageReturn:
+                                 norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+                                 episode_ids: jax.Array | None = None) -> AdvantageReturn:
     """GRPO over initial-state groups, computed in the trainer as RAGEN-2 does (ragen2.md §6.2).
 
     ``s_i = Σ_t r_{i,t}``; per group of ``group_ids``: mean and unbiased std (mean 0 and std 1 for a
     group of one); ``A_i = (s_i − mean) / (std + ε)``, or ``s_i − mean`` without
     ``norm_adv_by_std`` (Dr. GRPO, Liu et al. 2025). ``advantages = returns = A_i · mask``. Group ids
-    may be any integers (they are renumbered inside), so filtered and duplicated rows work.
+    may be any integers (they are renumbered inside), so filtered and duplicated rows work. With ``episode_ids``
+    (per-turn samples) each (group, episode) pair enters the mean and std once (RAGEN-2's deduplication).
     """
     scores = jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1)
-    mean, std = grpo_group_statistics(scores, group_ids)
+    mean, std = grpo_group_statistics(scores, group_ids, episode_ids)
     centred = scores - mean
     advantage = centred / (std + epsilon) if norm_adv_by_std else centred
     advantages = advantage[:, None] * loss_mask
     return AdvantageReturn(advantages, advantages)
 
 
-def grpo_group_statistics(scores: jax.Array, group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's group mean and unbiased std of ``scores`` (0 and 1 for a group of one, as RAGEN-2's GRPO)."""
+def grpo_group_statistics(scores: jax.Array, group_ids: jax.Array,
+                          episode_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Each row's group mean and unbiased std of ``scores`` (0 and 1 for a group of one, as RAGEN-2's GRPO).
+
+    With ``episode_ids`` only the first row of each (group, episode) pair counts (``core_algos.py:26-91``), so an
+    episode's turn-samples and batch-adjustment copies enter once.
+    """
     rows = scores.shape[0]
     _, groups = jnp.unique(jnp.asarray(group_ids), return_inverse=True, size=rows)
     groups = groups.reshape(-1)
-    counts = jax.ops.segment_sum(jnp.ones_like(scores), groups, rows)
-    mean = jax.ops.segment_sum(scores, groups, rows) / jnp.maximum(counts, 1.0)
-    std = jnp.sqrt(jax.ops.segment_sum((scores - mean[groups]) ** 2, groups, rows) / jnp.maximum(counts - 1.0, 1.0))
+    weight = jnp.ones_like(scores) if episode_ids is None else first_of_pairs(groups, episode_ids).astype(scores.dtype)
+    counts = jax.ops.segment_sum(weight, groups, rows)
+    mean = jax.ops.segment_sum(weight * scores, groups, rows) / jnp.maximum(counts, 1.0)
+    std = jnp.sqrt(jax.ops.segment_sum(weight * (scores - mean[groups]) ** 2, groups, rows)
+                   / jnp.maximum(counts - 1.0, 1.0))
     single = counts[groups] == 1
     return jnp.where(single, 0.0, mean[groups]), jnp.where(single, 1.0, std[groups])
+
+
+def first_of_pairs(groups: jax.Array, episode_ids: jax.Array) -> jax.Array:
+    """``True`` for the first row of each (group, episode) pair."""
+    episodes = jnp.asarray(episode_ids)
+    same = (groups[:, None] == groups[None, :]) & (episodes[:, None] == episodes[None, :])
+    return ~jnp.any(jnp.tril(same, k=-1), axis=1)
 
 
 def weight_advantages_by_length(advantages: jax.Array, loss_mask: jax.Array) -> jax.Array:
@@ -206,7 +222,8 @@ class AdvantageInputs(NamedTuple):
     """What every advantage estimator receives: the token rewards and the batch around them.
 
     Rows are the filtered batch, group-major: ``group_ids[i]`` is row ``i``'s initial-state group.
-    ``values`` is ``None`` unless the estimator declares ``needs_critic``.
+    ``values`` is ``None`` unless the estimator declares ``needs_critic``. ``episode_ids``: row ``i``'s episode
+    when rows are per-turn samples (RAGEN-2's turn-level ``context_window_mode``), else ``None``.
     """
 
     token_level_rewards: jax.Array
@@ -215,6 +232,7 @@ class AdvantageInputs(NamedTuple):
     group_ids: jax.Array
     old_log_probs: jax.Array
     ref_log_probs: jax.Array
+    episode_ids: jax.Array | None = None
 
 
 class AdvantageEstimator(NamedTuple):
@@ -261,7 +279,7 @@ def grpo_advantages(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:
     ``grpo_advantage_length_weight``."""
     if config.ragen_version == "v2":
         out = compute_grpo_group_advantage(inputs.token_level_rewards, inputs.loss_mask, inputs.group_ids,
-                                           config.algorithm.norm_adv_by_std_in_grpo)
+                                           config.algorithm.norm_adv_by_std_in_grpo, episode_ids=inputs.episode_ids)
     else:
         out = compute_grpo_outcome_advantage(inputs.token_level_rewards, inputs.loss_mask)
     if config.grpo_advantage_length_weight:
@@ -270,16 +288,18 @@ def grpo_advantages(inputs: AdvantageInputs, config: Any) -> AdvantageReturn:
 
 
 def scale_advantages(adv: AdvantageReturn, token_level_rewards: jax.Array, group_ids: jax.Array, config: Any,
-                     kept_ratio: float) -> tuple[AdvantageReturn, dict[str, jax.Array]]:
+                     kept_ratio: float, episode_ids: jax.Array | None = None
+                     ) -> tuple[AdvantageReturn, dict[str, jax.Array]]:
     """RAGEN-2's advantage factors after the estimator (ragen2.md §4.6-§4.7); value targets are unchanged.
 
     ``algorithm.soft_advantage_reweight``: ``A ← σ_g / (max σ + 1e-6) · A`` with each row's GRPO group std;
     then ``actor.filter_loss_scaling``: ``A ← ρ · A`` (``linear``) or ``√ρ · A`` (``sqrt``), ``ρ`` the kept
-    fraction of groups.
+    fraction of groups. ``episode_ids``: per-turn samples' episodes, each counted once in the group std.
     """
     advantages, metrics = adv.advantages, {}
     if config.algorithm.soft_advantage_reweight:
-        _, std = grpo_group_statistics(jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1), group_ids)
+        _, std = grpo_group_statistics(jnp.sum(jnp.asarray(token_level_rewards, jnp.float32), axis=-1), group_ids,
+                                       episode_ids)
         weights = soft_reweight(std)
         advantages = advantages * weights[:, None]
         metrics = {"train/soft_reweight_min": jnp.min(weights), "train/soft_reweight_max": jnp.max(weights),

@@ -235,7 +235,8 @@ class AgentProxyConfig:
     # RAGEN-2's prompt (ragen2.md §6.6-6.7; starpo_jax.trajectory.validate_prompt_keys): v1 = the environment
     # prefix in the first user message; v2 = in the system message, plus the invalid-action warning when sampling.
     prompt_layout: str = "v1"
-    context_window_mode: str = "full"  # RAGEN-2's key; only full is implemented (the per-turn modes are refused)
+    # RAGEN-2's key: full, or one sample per turn (limited_multi_turn / single_turn; starpo_jax.turn_samples).
+    context_window_mode: str = "full"
     batch_adjust_mode: Literal["copy", "delete"] = "copy"  # RAGEN-2: a filtered batch to a multiple of the divisor
 
 

@@ -23,6 +23,7 @@ from starpo_jax.steps import learning_rate
 from starpo_jax.losses import CRITIC_LOSSES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from starpo_jax.scores import NORMALIZATION_METHODS
 from starpo_jax.trajectory import validate_prompt_keys
+from starpo_jax.turn_samples import is_turn_level
 
 
 def _require(condition: bool, message: str) -> None:
@@ -49,16 +50,18 @@ def _validate_batches(config: StarPOConfig) -> None:
     _require(ratio == 1.0 or train.group_size >= 2,
              f"es_manager.train.group_size must be >= 2 to filter groups by reward std, got {train.group_size}")
     kept_samples = num_kept_groups(train.env_groups, ratio) * train.group_size
+    turn_level = is_turn_level(config.agent_proxy.context_window_mode)
+    turns = config.agent_proxy.max_turn if turn_level else 1  # RAGEN-2's train.py: one sample per turn
     for path, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
         mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
         _require(mini is not None and mini >= 1, f"{path}.ppo_mini_batch_size must be >= 1, got {mini}")
         _require(micro is not None and micro >= 1 and mini % micro == 0,
                  f"{path}.ppo_micro_batch_size_per_gpu={micro} must divide {path}.ppo_mini_batch_size={mini}")
-        _require(train.env_groups * train.group_size * ratio >= mini,
-                 f"es_manager.train.env_groups·group_size·actor_rollout_ref.rollout.rollout_filter_ratio = "
-                 f"{train.env_groups}·{train.group_size}·{ratio} leaves less than one "
-                 f"{path}.ppo_mini_batch_size={mini}")
-        _require(kept_samples % mini == 0,
+        _require(train.env_groups * train.group_size * ratio * turns >= mini,
+                 f"es_manager.train.env_groups·group_size·actor_rollout_ref.rollout.rollout_filter_ratio"
+                 f"{'·agent_proxy.max_turn' if turn_level else ''} = {train.env_groups}·{train.group_size}·{ratio}"
+                 f"{f'·{turns}' if turn_level else ''} leaves less than one {path}.ppo_mini_batch_size={mini}")
+        _require(turn_level or kept_samples % mini == 0,
                  f"the filtered batch of {kept_samples} trajectories (es_manager.train.env_groups·group_size·"
                  f"rollout_filter_ratio) is not divisible by {path}.ppo_mini_batch_size={mini}")
         _require(section.ppo_epochs >= 1, f"{path}.ppo_epochs must be >= 1, got {section.ppo_epochs}")
@@ -159,9 +162,10 @@ def _validate_filter(config: StarPOConfig) -> None:
         _require(getattr(rollout, name) == getattr(default, name),
                  f"{path}.{name} does not apply to {path}.rollout_filter_strategy={strategy} (leave it at "
                  f"{getattr(default, name)!r}; {'RAGEN-2' if starpo_s else 'StarPO-S'} strategies use it)")
-    adjust = config.agent_proxy.batch_adjust_mode
-    _require(not starpo_s or adjust == "copy", f"agent_proxy.batch_adjust_mode={adjust!r} applies to RAGEN-2's "
-                                               f"adaptive filters; StarPO-S keeps a fixed number of rows")
+    adjust, turn_level = config.agent_proxy.batch_adjust_mode, is_turn_level(config.agent_proxy.context_window_mode)
+    _require(not starpo_s or turn_level or adjust == "copy",
+             f"agent_proxy.batch_adjust_mode={adjust!r} applies to RAGEN-2's adaptive filters and turn-level "
+             f"agent_proxy.context_window_mode; StarPO-S keeps a fixed number of rows")
     if starpo_s:
         FILTER_TYPES.check(rollout.rollout_filter_type, f"{path}.rollout_filter_type")
     else:
@@ -173,11 +177,35 @@ def _validate_filter(config: StarPOConfig) -> None:
         _require(not config.trainer.early_stop_reward_variance_collapse or metric in REWARD_METRICS,
                  "trainer.early_stop_reward_variance_collapse watches the reward filter's rollout/in_group_reward_std: "
                  f"set {path}.rollout_filter_metric to one of {REWARD_METRICS}")
-        for section in ("actor_rollout_ref.actor", "critic"):
-            optim = (config.critic if section == "critic" else config.actor_rollout_ref.actor).optim
-            _require(not callable(learning_rate(optim, config.trainer.total_training_steps)),
-                     f"{section}.optim: a warmup or cosine schedule counts optimizer steps per iteration, which "
-                     f"varies under {path}.rollout_filter_strategy={strategy}; use a constant learning rate")
+        _require_constant_lr(config, f"{path}.rollout_filter_strategy={strategy}")
+
+
+def _require_constant_lr(config: StarPOConfig, reason: str) -> None:
+    """A schedule counts optimizer steps per iteration, which must not vary with the rows kept."""
+    for section in ("actor_rollout_ref.actor", "critic"):
+        optim = (config.critic if section == "critic" else config.actor_rollout_ref.actor).optim
+        _require(not callable(learning_rate(optim, config.trainer.total_training_steps)),
+                 f"{section}.optim: a warmup or cosine schedule counts optimizer steps per iteration, which "
+                 f"varies under {reason}; use a constant learning rate")
+
+
+def _validate_turn_level(config: StarPOConfig) -> None:
+    """RAGEN-2's per-turn samples (``limited_multi_turn`` / ``single_turn``, ragen2.md §6.7): host driver, re-rendered
+    turns, the episode reward at the last position, the final assistant message as the loss."""
+    proxy = config.agent_proxy
+    mode = f"agent_proxy.context_window_mode={proxy.context_window_mode}"
+    if not is_turn_level(proxy.context_window_mode):
+        return
+    _require(proxy.rollout_driver == "host",
+             f"{mode} needs agent_proxy.rollout_driver=host, got {proxy.rollout_driver}: the fused driver trains on "
+             f"one sampled id sequence per trajectory and cannot render the per-turn windows on device")
+    _require(not config.train_on_sampled_ids, f"{mode} re-renders each turn's window as its own sample: set "
+                                              f"train_on_sampled_ids=False")
+    _require(not proxy.use_turn_scores, f"{mode} puts the episode's total reward on every turn-sample (RAGEN-2): set "
+                                        f"agent_proxy.use_turn_scores=False")
+    _require(config.enable_response_mask, f"{mode} trains the final assistant message only, whatever "
+                                          f"enable_response_mask says: leave enable_response_mask=True")
+    _require_constant_lr(config, f"{mode} (the number of turn-samples varies)")
 
 
 def _validate_gradient_analysis(config: StarPOConfig) -> None:
@@ -258,6 +286,7 @@ def validate(config: StarPOConfig) -> StarPOConfig:
     _validate_filter(config)
     _validate_batches(config)
     _validate_algorithm(config)
+    _validate_turn_level(config)
     _validate_rollout(config)
     _validate_ragen2(config)
     return config

@@ -2,7 +2,7 @@
 
 Each turn, inside one ``lax.while_loop``, builds every active row's next segment from
 pre-tokenized pieces, decodes it with ``starpo_jax.sampler`` (the KV cache kept across
-turns), parses the generated ids on device (``envs.tokens.parse_tokens``), steps the
+turns), parses the generated ids on device (the environment's ``response_parser``), steps the
 vmapped environments with RAGEN's rules (``starpo_jax.env_manager.run_turn``) and keeps
 the counters the host driver keeps in its slots, RAGEN-2's episode metrics (``slot_metrics``) included.
 
@@ -29,7 +29,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from envs.text_states import make_piece
-from envs.tokens import parse_tokens
 from runtime.mesh import batch_sharding
 from starpo_jax.env_manager import Slot, info_metrics
 from starpo_jax.fused_tables import EnvTables, build_env_tables
@@ -219,9 +218,11 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         blocks, columns, warned = [], [], []
         for t, b, lo, hi in zip(tables, s.blocks, starts[:-1], starts[1:]):
             left = t.env.max_actions_per_traj - e.num_actions[lo:hi]
-            parsed = jax.vmap(lambda i, n, a: parse_tokens(t.parser, i, n, a))(out.tokens[lo:hi], out.lengths[lo:hi],
-                                                                                left)
+            parsed = jax.vmap(t.parser.parse)(out.tokens[lo:hi], out.lengths[lo:hi], left)
             on = active[lo:hi]
+            if parsed.context is not None:  # e.g. Sudoku's echo of the turn's last action
+                b = b._replace(env_state=_where(on, jax.vmap(t.env.begin_turn)(b.env_state, parsed.context),
+                                                b.env_state))
             warned.append(jnp.where(on, parsed.num_valid == 0, s.warned[lo:hi]))
             (state, count, total, _, done, success, valid, effective, stepped, rewards, raw_rewards,
              scores) = _play_actions(t, b, parsed.action_ids, e.num_actions[lo:hi], e.step_rewards[lo:hi],

@@ -24,7 +24,6 @@ import numpy as np
 
 from envs.text import env_prefix, reward_text
 from envs.text_states import Piece, make_piece, reset_states
-from envs.tokens import build_response_parser
 from starpo_jax.env_manager import Slot
 from starpo_jax.rollout import RolloutSettings, turn_continuation
 from starpo_jax.trajectory import Turn, render_chat, render_text
@@ -117,6 +116,7 @@ def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params
       ValueError: naming the environment for a host-only one (Countdown), or naming the
         tokenizer and the text when its merges cross a piece boundary.
     """
+    env = env.device_env() if hasattr(env, "device_env") else env  # a host environment's on-device twin (Sudoku)
     params = env.default_params if params is None and hasattr(env, "default_params") else params
     budget = env.max_actions_per_traj
     encode = lambda texts: [list(r) for r in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
@@ -150,8 +150,8 @@ def build_env_tables(env: Any, tokenizer: Any, settings: RolloutSettings, params
     tokens = jax.jit(jax.vmap(jax.vmap(renderer.tokens, (0, None)), (None, 0)))
     ids, lengths = (np.asarray(x) for x in tokens(jnp.asarray(obs), jnp.arange(len(afters))))
     state_piece = lambda s, n: [int(t) for t in ids[n, s, :lengths[n, s]]]
-    tables = EnvTables(env, params, build_response_parser(tokenizer, env.action_names, settings.enable_think,
-                                                          settings.max_actions_per_turn),
+    parser = env.response_parser(tokenizer, settings.enable_think, settings.max_actions_per_turn)
+    tables = EnvTables(env, params, parser,
                        renderer, rewards, make_piece(encode([prompt_head])), make_piece(encode([head])),
                        make_piece(encode(turns)), make_piece(encode(afters)))
     _check_pieces(tokenizer, env, settings, tables, reward_texts, state_texts, state_piece, messages)

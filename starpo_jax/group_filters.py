@@ -9,7 +9,9 @@
   multiple of ``lcm(env_groups, mini-batch sizes)`` rows by ``agent_proxy.batch_adjust_mode``.
 
 An entry is ``fn(inputs: FilterInputs, config, step) -> FilteredRows``; registering a new name makes it a
-valid strategy.
+valid strategy. Under RAGEN-2's turn-level ``context_window_mode`` the rows are turn-samples with
+``inputs.episode_ids``: both built-in filters rank the episodes (``episodes.Episodes``) and keep every
+turn-sample of the selected ones, then bring the row count to a multiple of the divisor as RAGEN-2 does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from runtime.registry import Registry
+from starpo_jax.episodes import Episodes
 from starpo_jax.filtering import filter_groups_by_reward_std
 from starpo_jax.snr_filter import STRATEGIES, SnrFilterConfig, SnrSelection, adjust_batch_size
 
@@ -33,13 +36,16 @@ class FilterInputs(NamedTuple):
 
     ``raw``: score + penalty before normalisation (or the summed turn rewards with ``use_turn_scores``);
     ``normalized``: the trajectory reward after ``agent_proxy.reward_normalization`` (RAGEN-2's
-    ``original_rm_scores``); ``lengths``: trained tokens of each trajectory; ``entropies``: each trajectory's mean
-    token entropy under the current policy, Σ(H·loss_mask) / max(Σ loss_mask, 1) (only for the entropy metrics).
+    ``original_rm_scores``); ``lengths``: trained tokens of each trajectory; ``episode_ids``: each row's episode
+    when rows are turn-samples (``Trajectory.episode_ids``), else None; ``entropies``: each row's mean token entropy
+    under the current policy, Σ(H·loss_mask) / max(Σ loss_mask, 1) (only for the entropy metrics; an episode's is
+    the mean over its turn-samples).
     """
 
     raw: np.ndarray
     normalized: np.ndarray
     lengths: np.ndarray
+    episode_ids: np.ndarray | None = None
     entropies: np.ndarray | None = None
 
 
@@ -68,6 +74,8 @@ ROLLOUT_FILTERS: Registry[Callable[[FilterInputs, Any, int], FilteredRows]] = Re
 def starpo_s_filter(inputs: FilterInputs, config: Any, step: int) -> FilteredRows:
     """StarPO-S: ``floor(ratio · env_groups)`` groups by raw-score std (``rollout_filter_type`` std / std_rev)."""
     groups, rollout = config.es_manager.train, config.actor_rollout_ref.rollout
+    episodes = Episodes(inputs.episode_ids, len(inputs.raw))
+    inputs = episodes.reduce_inputs(inputs)
     kept = filter_groups_by_reward_std(inputs.raw.reshape(groups.env_groups, groups.group_size),
                                        rollout.rollout_filter_ratio, rollout.rollout_filter_type,
                                        rollout.rollout_filter_drop_zero_std)
@@ -75,7 +83,8 @@ def starpo_s_filter(inputs: FilterInputs, config: Any, step: int) -> FilteredRow
     metrics = {k: float(v) for k, v in kept.metrics.items()}
     metrics |= {"rollout/filter_kept_count": float(count), "rollout/filter_kept_ratio": count / groups.env_groups}
     rows = np.asarray(kept.sample_indices)
-    return FilteredRows(rows, np.asarray(kept.sample_mask), metrics, _row_std(inputs.raw, groups, rows))
+    out = FilteredRows(rows, np.asarray(kept.sample_mask), metrics, _row_std(inputs.raw, groups, rows))
+    return _adjusted_turn_samples(out, episodes, config, step) if episodes.turn_level else out
 
 
 def snr_config(rollout: Any) -> SnrFilterConfig:
@@ -99,6 +108,8 @@ def snr_filter(inputs: FilterInputs, config: Any, step: int) -> FilteredRows:
     """RAGEN-2's filter: score groups, keep an adaptive set, adjust the row count (ragen2.md §4.3-§4.5)."""
     groups = config.es_manager.train
     filter_config = snr_config(config.actor_rollout_ref.rollout)
+    episodes = Episodes(inputs.episode_ids, len(inputs.raw))
+    inputs = episodes.reduce_inputs(inputs)
     rewards = inputs.raw if config.agent_proxy.use_turn_scores else inputs.normalized
     values = {"length": inputs.lengths, "entropy": inputs.entropies,
               "entropy_variance": inputs.entropies}.get(filter_config.metric, rewards)
@@ -106,9 +117,19 @@ def snr_filter(inputs: FilterInputs, config: Any, step: int) -> FilteredRows:
     selection = SnrSelection(filter_config, np.asarray(values, np.float64).reshape(shape),
                              np.asarray(rewards, np.float64).reshape(shape))
     rows = np.flatnonzero(selection.row_mask)
+    kept = FilteredRows(rows, np.ones(len(rows), np.float32), selection.metrics, selection.reward_std[rows])
+    return _adjusted_turn_samples(kept, episodes, config, step)
+
+
+def _adjusted_turn_samples(kept: FilteredRows, episodes: Episodes, config: Any, step: int) -> FilteredRows:
+    """Every row (turn-sample) of the kept episodes, brought to a multiple of ``batch_divisor`` by
+    ``agent_proxy.batch_adjust_mode``; one episode per row gives the kept rows themselves, adjusted."""
+    weight, std = np.zeros(len(episodes), np.float32), np.zeros(len(episodes))
+    weight[kept.rows], std[kept.rows] = kept.sample_mask, kept.reward_std
     rng = np.random.default_rng([config.seed.train, step])
-    rows = adjust_batch_size(rows, batch_divisor(config), config.agent_proxy.batch_adjust_mode, rng)
-    return FilteredRows(rows, np.ones(len(rows), np.float32), selection.metrics, selection.reward_std[rows])
+    rows = adjust_batch_size(episodes.rows_of(kept.rows), batch_divisor(config), config.agent_proxy.batch_adjust_mode,
+                             rng)
+    return FilteredRows(rows, episodes.broadcast(weight)[rows], kept.metrics, episodes.broadcast(std)[rows])
 
 
 for _strategy in STRATEGIES:

@@ -24,6 +24,7 @@ from runtime.train_state import TrainState, compile_step, init_train_state
 from starpo_jax.advantages import AdvantageInputs, apply_kl_penalty, compute_advantage, scale_advantages
 from starpo_jax.analysis_rollout import analysis_config, keep_all_config
 from starpo_jax.config import StarPOConfig
+from starpo_jax.episodes import Episodes
 from starpo_jax.filtering import num_kept_groups
 from starpo_jax.gradient_analysis import gradient_analysis, group_rv_tables, make_component_grad_norms
 from starpo_jax.group_filters import ROLLOUT_FILTERS, FilterInputs
@@ -153,24 +154,37 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int, step: i
     the filter metrics and each row's pre-filter group reward std; an SNR filter may keep no row. StarPO-S ranks ``score + penalty`` before
     normalisation (starpo.md §22.12), RAGEN-2's filter the normalised reward; with ``agent_proxy.use_turn_scores``
     both rank each row's summed turn rewards as placed on the tokens (RAGEN ``original_rm_scores.sum(-1)``: no
-    penalty, no normalisation). ``entropies``: each trajectory's mean token entropy (``filter_entropies``), which
-    the entropy metrics rank.
+    penalty, no normalisation). Per-turn samples (``traj.episode_ids``) are normalised and ranked per episode.
+    ``entropies``: each row's mean token entropy (``filter_entropies``), which the entropy metrics rank.
     """
     groups = config.es_manager.train
     norm = config.agent_proxy.reward_normalization
     group_ids = normalization_group_ids(norm.grouping, jnp.asarray(traj.group_ids), jnp.asarray(traj.tag_ids))
     num_groups = groups.env_groups if norm.grouping != "inductive" else num_tags
-    normalized = normalize_scores(traj.scores, traj.penalty, group_ids, max(num_groups, 1), norm.method)
+    normalized = normalized_episode_scores(traj, group_ids, max(num_groups, 1), norm.method)
     if config.agent_proxy.use_turn_scores:
         raw = np.sum(np.asarray(traj.turn_rewards), axis=1)
     else:
         raw = np.asarray(traj.scores) + np.asarray(traj.penalty)
-    inputs = FilterInputs(raw, np.asarray(normalized), np.sum(np.asarray(traj.loss_mask), axis=1), entropies)
+    inputs = FilterInputs(raw, np.asarray(normalized), np.sum(np.asarray(traj.loss_mask), axis=1), traj.episode_ids,
+                          entropies)
     kept = ROLLOUT_FILTERS.get(config.actor_rollout_ref.rollout.rollout_filter_strategy)(inputs, config, step)
     rows = np.asarray(kept.rows, np.int64)
     selected = Trajectory(*(None if x is None else np.asarray(x)[rows] for x in traj))
     selected = selected._replace(loss_mask=selected.loss_mask * np.asarray(kept.sample_mask)[:, None])
     return selected, normalized[rows], kept.metrics, kept.reward_std
+
+
+def normalized_episode_scores(traj: Trajectory, group_ids: jax.Array, num_groups: int, method: str) -> jax.Array:
+    """``normalize_scores`` per trajectory; per-turn samples (``episode_ids``) normalise their episodes' scores,
+    each counted once, and every turn-sample gets its episode's (RAGEN-2 ``_normalize_episode_rewards``)."""
+    if traj.episode_ids is None:
+        return normalize_scores(traj.scores, traj.penalty, group_ids, num_groups, method)
+    episodes = Episodes(traj.episode_ids, len(traj.scores))
+    first = episodes.first
+    per_episode = normalize_scores(np.asarray(traj.scores)[first], np.asarray(traj.penalty)[first],
+                                   jnp.asarray(group_ids)[first], num_groups, method)
+    return jnp.asarray(episodes.broadcast(per_episode))
 
 
 def _collect(rows: list[dict]) -> dict[str, list]:
@@ -261,9 +275,10 @@ def prepare_batch(actor: TrainState, critic: TrainState | None, learner: Learner
         out = apply_kl_penalty(rewards, old_log_probs, ref_log_probs, loss_mask, algorithm.kl_ctrl.kl_coef,
                                algorithm.kl_penalty)
         rewards, metrics = out.token_level_rewards, {**metrics, **out.metrics}
+    episode_ids = None if batch.episode_ids is None else jnp.asarray(batch.episode_ids)
     adv = compute_advantage(AdvantageInputs(rewards, values, loss_mask, jnp.asarray(batch.group_ids), old_log_probs,
-                                            ref_log_probs), config)
-    adv, scaling = scale_advantages(adv, rewards, jnp.asarray(batch.group_ids), config, kept_ratio)
+                                            ref_log_probs, episode_ids), config)
+    adv, scaling = scale_advantages(adv, rewards, jnp.asarray(batch.group_ids), config, kept_ratio, episode_ids)
     metrics |= scaling
     metrics.update({"critic/advantages/mean": masked_mean(adv.advantages, loss_mask),
                     "critic/returns/mean": masked_mean(adv.returns, loss_mask),

@@ -7,7 +7,9 @@ policy generates from and trains on the same text. The KV cache is reused for th
 common token prefix of the cached sequence and the new prompt (prefix caching): only the
 rest is prefilled. With ``train_on_sampled_ids`` (starpo.md §22.10) the cache instead continues
 the raw sampled ids and the training sequence is exactly the fed and sampled ids.
-Responses are parsed with RAGEN's rules and executed by ``starpo_jax.env_manager``.
+Responses are parsed with RAGEN's rules and executed by ``starpo_jax.env_manager``. Under RAGEN-2's turn-level
+``context_window_mode`` the prompts are the turn windows and every played turn becomes a training sample
+(``starpo_jax.turn_samples``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from starpo_jax.env_manager import Slot, apply_context_window
 from starpo_jax.env_pool import run_turns
 from starpo_jax.models.kv_cache import KVCache
 from starpo_jax.scores import place_turn_scores
-from starpo_jax.trajectory import (Trajectory, apply_max_length, chat_tokens, left_pad, loss_mask, position_ids,
-                                   render_chat, render_text, turn_end_suffix_length, turn_indicators)
+from starpo_jax.trajectory import (Trajectory, apply_max_length, chat_tokens, encode_chat, final_turn_mask, left_pad,
+                                   loss_mask, position_ids, render_chat, render_text, turn_end_suffix_length,
+                                   turn_indicators)
+from starpo_jax.turn_samples import is_turn_level, prompt_turn_ids, turn_sequences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,7 @@ class RolloutSettings:
     max_context_window: int = -1
     use_turn_scores: bool = False
     prompt_layout: str = "v1"
+    context_window_mode: str = "full"
 
 
 def slot_chat(slot: Slot, settings: RolloutSettings, *, for_update: bool = False) -> list[dict[str, str]]:
@@ -72,9 +77,8 @@ def chat_ids(tokenizer: Any, slot: Slot, settings: RolloutSettings, *, for_updat
     tag, so prompt and response always fit the cache); ``True``: the training sequence. Returns the
     ids and the number of assistant messages kept.
     """
-    encode = lambda messages: tokenizer.encode(render_text(tokenizer, messages, for_update=for_update,
-                                                           enable_think=settings.enable_think),
-                                               add_special_tokens=False)
+    encode = lambda messages: encode_chat(tokenizer, messages, for_update=for_update,
+                                          enable_think=settings.enable_think)
     messages = apply_max_length(slot_chat(slot, settings, for_update=for_update), lambda m: len(encode(m)),
                                 settings.max_model_len)
     return encode(messages), sum(m["role"] == "assistant" for m in messages)
@@ -122,8 +126,10 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     forced = "<think>" if settings.enable_think else "<answer>"
     raw = settings.train_on_sampled_ids
-    if raw and settings.max_context_window > 0:
-        raise ValueError("max_context_window re-renders the cut history each turn: set train_on_sampled_ids=False")
+    if raw and (settings.max_context_window > 0 or is_turn_level(settings.context_window_mode)):
+        raise ValueError("max_context_window and the turn-level context_window_mode re-render the history each turn: "
+                         "set train_on_sampled_ids=False")
+    cut = -1 if is_turn_level(settings.context_window_mode) else settings.max_context_window  # full: V1 HEAD's cut
     cached: list[list[int]] = [[] for _ in slots]  # the ids each cache row holds
     records: list[list[_Record]] = [[] for _ in slots]
     ended = [True] * len(slots)
@@ -133,7 +139,7 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
             break
         prompts, reuse = [], []
         for i, slot in enumerate(slots):
-            apply_context_window(slot, settings.max_context_window)
+            apply_context_window(slot, cut)
             if not active[i]:
                 prompts.append(cached[i])
             elif raw:
@@ -141,6 +147,8 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
                     turn_continuation(tokenizer, slot, settings) if turn else render_text(
                         tokenizer, slot_chat(slot, settings), for_update=False, enable_think=settings.enable_think),
                     add_special_tokens=False))
+            elif is_turn_level(settings.context_window_mode):
+                prompts.append(prompt_turn_ids(tokenizer, slot, settings))
             else:
                 prompts.append(chat_ids(tokenizer, slot, settings, for_update=False)[0])
             reuse.append(min(common_prefix(cached[i], prompts[i]), len(prompts[i]) - active[i]))
@@ -167,7 +175,7 @@ def host_rollout(sample: Callable, params: Any, tokenizer: Any, slots: list[Slot
             turns.append((slots[i], parsed.llm_response, parsed.actions))
         run_turns(turns, settings.format_penalty)
     for slot in slots:
-        apply_context_window(slot, settings.max_context_window)
+        apply_context_window(slot, cut)
     sequences = None
     if raw:
         sequences = [c + ([] if e else [eos]) + tokenizer.encode(training_tail(tokenizer, s, settings),
@@ -198,30 +206,43 @@ def pack_trajectory(tokenizer: Any, slots: list[Slot], settings: RolloutSettings
 
     ``sequences`` defaults to RAGEN's re-rendered training chat of every slot (starpo.md §5), oldest turns
     dropped to fit ``max_model_len``; with ``use_turn_scores`` only the kept turns' scores are placed.
-    ``records`` (per slot, from ``host_rollout``) give the trajectory's ``rollout_log_probs``.
+    ``records`` (per slot, from ``host_rollout``) give the trajectory's ``rollout_log_probs``. Under a turn-level
+    ``context_window_mode`` every played turn is a row (``turn_samples.turn_sequences``) with its episode's score.
     """
+    if is_turn_level(settings.context_window_mode):
+        sequences, episodes = turn_sequences(tokenizer, slots, settings)
+        rollout_log_probs = None if records is None else [sampled_log_probs(q, records[e])
+                                                          for q, e in zip(sequences, episodes)]
+        return pack_sequences(tokenizer, sequences, settings, **_slot_fields([slots[e] for e in episodes]),
+                              rollout_log_probs=rollout_log_probs, episode_ids=episodes)
     turn_scores = [s.turn_scores for s in slots]
     if sequences is None:
         packed = [chat_ids(tokenizer, s, settings, for_update=True) for s in slots]
         sequences = [ids for ids, _ in packed]
         turn_scores = [scores[len(scores) - kept:] if kept else [] for scores, (_, kept) in zip(turn_scores, packed)]
     rollout_log_probs = None if records is None else [sampled_log_probs(q, r) for q, r in zip(sequences, records)]
-    return pack_sequences(tokenizer, sequences, settings, scores=[s.score for s in slots],
-                          penalty=[s.penalty for s in slots], group_ids=[s.group_id for s in slots],
-                          tag_ids=[s.tag_id for s in slots],
+    return pack_sequences(tokenizer, sequences, settings, **_slot_fields(slots),
                           turn_scores=turn_scores if settings.use_turn_scores else None,
                           rollout_log_probs=rollout_log_probs)
+
+
+def _slot_fields(slots: Sequence[Slot]) -> dict[str, list]:
+    """The per-row ``pack_sequences`` fields of played slots."""
+    return dict(scores=[s.score for s in slots], penalty=[s.penalty for s in slots],
+                group_ids=[s.group_id for s in slots], tag_ids=[s.tag_id for s in slots])
 
 
 def pack_sequences(tokenizer: Any, sequences: Sequence[Sequence[int]], settings: RolloutSettings, *,
                    scores: Sequence[float], penalty: Sequence[float], group_ids: Sequence[int],
                    tag_ids: Sequence[int], turn_scores: Sequence[Sequence[float]] | None = None,
-                   rollout_log_probs: Sequence[Sequence[float]] | None = None) -> Trajectory:
+                   rollout_log_probs: Sequence[Sequence[float]] | None = None,
+                   episode_ids: Sequence[int] | None = None) -> Trajectory:
     """Token sequences as a left-padded, bucketed ``Trajectory`` with its loss mask (both drivers).
 
     With ``turn_scores`` (each row's per-turn rewards) it also holds ``turn_rewards``, those
     rewards on each assistant turn's end (``scores.place_turn_scores``). ``rollout_log_probs``
     (per token of each sequence, NaN where not sampled) become ``[B, L − 1]`` by next-token position.
+    Under a turn-level ``context_window_mode`` only each row's final message trains; ``episode_ids`` are kept.
     """
     longest = max(map(len, sequences))
     if longest > settings.max_model_len:
@@ -229,8 +250,11 @@ def pack_sequences(tokenizer: Any, sequences: Sequence[Sequence[int]], settings:
                          f"(a single turn longer than the limit)")
     ids, attention = bucketed(sequences, tokenizer.pad_token_id, settings.bucket, settings.max_model_len)
     chat = chat_tokens(tokenizer)
-    mask = loss_mask(ids, attention, chat, enable_response_mask=settings.enable_response_mask,
-                     alignment=settings.mask_alignment)
+    if is_turn_level(settings.context_window_mode):
+        mask = final_turn_mask(ids, attention, chat, alignment=settings.mask_alignment)
+    else:
+        mask = loss_mask(ids, attention, chat, enable_response_mask=settings.enable_response_mask,
+                         alignment=settings.mask_alignment)
     turn_rewards = None
     if turn_scores is not None:
         padded = np.zeros((len(turn_scores), max(1, max(map(len, turn_scores)))), np.float32)
@@ -248,4 +272,4 @@ def pack_sequences(tokenizer: Any, sequences: Sequence[Sequence[int]], settings:
         input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), loss_mask=np.asarray(mask),
         scores=np.asarray(scores, np.float32), penalty=np.asarray(penalty, np.float32),
         group_ids=np.asarray(group_ids, np.int32), tag_ids=np.asarray(tag_ids, np.int32), turn_rewards=turn_rewards,
-        rollout_log_probs=sampled)
+        rollout_log_probs=sampled, episode_ids=None if episode_ids is None else np.asarray(episode_ids, np.int32))

@@ -32,7 +32,7 @@ def rollout_settings(config: StarPOConfig) -> RolloutSettings:
                            max_model_len=rollout.max_model_len, train_on_sampled_ids=config.train_on_sampled_ids,
                            enable_response_mask=config.enable_response_mask, mask_alignment=config.mask_alignment,
                            max_context_window=proxy.max_context_window, use_turn_scores=proxy.use_turn_scores,
-                           prompt_layout=proxy.prompt_layout)
+                           prompt_layout=proxy.prompt_layout, context_window_mode=proxy.context_window_mode)
 
 
 def make_slots(groups: EnvGroupsConfig, seed: int, custom_envs: Mapping[str, envs.EnvEntry]) -> list:

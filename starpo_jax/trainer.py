@@ -34,6 +34,7 @@ from starpo_jax.config import StarPOConfig
 from starpo_jax.config_keys import lora_targets
 from starpo_jax.collapse import CollapseDetector
 from starpo_jax.early_stop import EarlyStop
+from starpo_jax.episodes import Episodes
 from starpo_jax.echo_trap import EchoTrapMonitor
 from starpo_jax.iteration import build_learner, update
 from starpo_jax.models.hf_io import check_model_folder, load_pretrained, save_pretrained
@@ -41,6 +42,7 @@ from starpo_jax.models.lora import LoRAConfig
 from starpo_jax.rollout_drivers import make_player, rollout_settings
 from starpo_jax.sampler import SamplerConfig
 from starpo_jax.tokenizer import load_tokenizer, require_chat_template
+from starpo_jax.turn_samples import collapse_detection_applies
 
 
 # Folded into an iteration's sampling key for the gradient analysis's separate rollout.
@@ -76,14 +78,24 @@ def batch_env_metrics(tagged: dict[str, float], prefix: str) -> dict[str, float]
 
 
 def save_rollouts(path: Path, tokenizer, traj, rows: list[dict[str, float]], tags: Sequence[str]) -> None:
-    """One JSON line per trajectory: decoded training text, score, penalty, success, group and tag."""
+    """One JSON line per trajectory: decoded training text, score, penalty, success, group and tag (per-turn
+    samples: one line per turn-sample, with its ``episode``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    episodes = Episodes(traj.episode_ids, len(traj.scores))
     with open(path, "w", encoding="utf-8") as f:
-        for i, row in enumerate(rows):
+        for i, episode in enumerate(episodes.index):
             text = tokenizer.decode(traj.input_ids[i][traj.attention_mask[i] > 0])
-            f.write(json.dumps({"group_id": int(traj.group_ids[i]), "tag": tags[traj.tag_ids[i]],
-                                "score": float(traj.scores[i]), "penalty": float(traj.penalty[i]),
-                                "success": bool(row["success"]), "text": text}) + "\n")
+            line = {"group_id": int(traj.group_ids[i]), "tag": tags[traj.tag_ids[i]],
+                    "score": float(traj.scores[i]), "penalty": float(traj.penalty[i]),
+                    "success": bool(rows[episode]["success"]), "text": text}
+            f.write(json.dumps(line | ({"episode": int(episode)} if episodes.turn_level else {})) + "\n")
+
+
+def episode_env_metrics(rows: list[dict[str, float]], traj, tags: Sequence[str], prefix: str) -> dict[str, float]:
+    """``env_metrics`` of a rollout's ``rows`` (one per trajectory), whether its rows are trajectories or
+    per-turn samples (then each episode's first)."""
+    first = Episodes(traj.episode_ids, len(traj.scores)).first
+    return env_metrics(rows, np.asarray(traj.tag_ids)[first], np.asarray(traj.scores)[first], tags, prefix)
 
 
 def analysis_player(config: StarPOConfig, graphdef, model_config, sampler: SamplerConfig, tokenizer, settings,
@@ -158,7 +170,8 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             tokenizer, settings, mesh)
 
         detector = None
-        if config.collapse_detection.enabled:  # RAGEN-2's diagnostics, with the sampling temperature (ragen2.md §3.6)
+        if config.collapse_detection.enabled and collapse_detection_applies(config.agent_proxy.context_window_mode):
+            # RAGEN-2's diagnostics, with the sampling temperature (ragen2.md §3.6)
             detector = CollapseDetector(config.collapse_detection, graphdef, policy.config, tokenizer,
                                         rollout_cfg.temperature, mesh, config.seed.train)
         rollout_filter = config.actor_rollout_ref.rollout
@@ -171,7 +184,7 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             traj, rows = val_play(params, config.seed.val, jax.random.key(config.seed.val))
             val_tags = config.es_manager.val.env_configs.tags
             save_rollouts(out / "rollouts" / f"val_step{step}.jsonl", tokenizer, traj, rows, val_tags)
-            return env_metrics(rows, traj.tag_ids, traj.scores, val_tags, "val")
+            return episode_env_metrics(rows, traj, val_tags, "val")
 
         exited: list[int] = []  # the step that ended the run with trainer.exit_after_gradient_analysis
 
@@ -193,7 +206,7 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             metrics |= collapse | early_stop.observe_filter(
                 metrics["train/batch_size"] == 0,
                 metrics.get("rollout/in_group_reward_std", metrics.get("rollout/in_group_std")))
-            metrics.update(env_metrics(rows, traj.tag_ids, traj.scores, train_tags, "train"))
+            metrics.update(episode_env_metrics(rows, traj, train_tags, "train"))
             metrics["train/success"] = float(np.mean([row["success"] for row in rows]))
             metrics.update({"timing_s/gen": generation, "timing_s/step": time.perf_counter() - clock})
             if config.trainer.test_freq > 0 and (step + 1) % config.trainer.test_freq == 0 and not exited:

@@ -37,26 +37,22 @@ class Turn:
 # ``agent_proxy.prompt_layout``: v1 puts the environment prefix in the first user message (starpo.md §4), v2 in
 # the system message, with the invalid-action warning in generation prompts (ragen2.md §6.6).
 PROMPT_LAYOUTS = ("v1", "v2")
-# RAGEN-2's ``agent_proxy.context_window_mode`` (ragen2.md §6.7); the per-turn modes are not implemented.
+# RAGEN-2's ``agent_proxy.context_window_mode`` (ragen2.md §6.7): one sequence per trajectory, or one sample per
+# turn (``starpo_jax.turn_samples``).
 CONTEXT_WINDOW_MODES = ("full", "limited_multi_turn", "single_turn")
 
 
 def validate_prompt_keys(prompt_layout: str, context_window_mode: str) -> None:
-    """Raises naming the key for an unknown layout or mode, and for a per-turn mode (refused, not ignored)."""
+    """Raises naming the key for an unknown layout or mode."""
     if prompt_layout not in PROMPT_LAYOUTS:
         raise ValueError(f"agent_proxy.prompt_layout must be one of {PROMPT_LAYOUTS}, got {prompt_layout!r}")
     if context_window_mode not in CONTEXT_WINDOW_MODES:
         raise ValueError(f"agent_proxy.context_window_mode must be one of {CONTEXT_WINDOW_MODES}, "
                          f"got {context_window_mode!r}")
-    if context_window_mode != "full":
-        raise ValueError(f"agent_proxy.context_window_mode={context_window_mode} (one training sample per turn, "
-                         f"with episode ids for the filter and GRPO) is not implemented by either rollout driver; "
-                         f"use full (one sequence per trajectory; agent_proxy.max_context_window keeps the last k "
-                         f"turns in it, as RAGEN V1 HEAD)")
 
 
 def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, enable_think: bool = True,
-                for_update: bool = False, layout: str = "v1") -> list[dict[str, str]]:
+                for_update: bool = False, layout: str = "v1", first_turn: int = 1) -> list[dict[str, str]]:
     """Chat messages of one trajectory (RAGEN ``get_lm_inputs``).
 
     Args:
@@ -67,6 +63,7 @@ def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, 
       for_update: training form: drop the final state-only entry and the last Reward message.
       layout: ``v1``: the prefix opens the first user message; ``v2``: it follows the system prompt, the first
         user message starts empty, and generation prompts warn after a turn with no valid action.
+      first_turn: the number of ``history[0]`` (a window of later turns keeps their numbers).
     """
     validate_prompt_keys(layout, "full")
     entries = list(history)
@@ -77,8 +74,8 @@ def render_chat(prefix: str, history: Sequence[Turn], *, max_tokens: int = 100, 
                 {"role": "user", "content": "" if v2 else prefix}]
     for index, turn in enumerate(entries):
         warning = v2 and not for_update and turn.invalid_action
-        messages[-1]["content"] += turn_text(index + 1, turn.state, turn.actions_left, max_tokens, enable_think,
-                                             warning)
+        messages[-1]["content"] += turn_text(index + first_turn, turn.state, turn.actions_left, max_tokens,
+                                             enable_think, warning)
         if turn.llm_response is not None:
             messages.append({"role": "assistant", "content": turn.llm_response})
         if turn.reward is not None and not (for_update and index == len(entries) - 1):
@@ -117,6 +114,13 @@ def render_text(tokenizer: Any, messages: Sequence[dict[str, str]], *, for_updat
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; StarPO needs one")
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=not for_update)
     return text if for_update else text + ("<think>" if enable_think else "<answer>")
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], *, for_update: bool,
+                enable_think: bool = True) -> list[int]:
+    """``render_text`` tokenised without added special tokens."""
+    return tokenizer.encode(render_text(tokenizer, messages, for_update=for_update, enable_think=enable_think),
+                            add_special_tokens=False)
 
 
 class ChatTokens(NamedTuple):
@@ -199,6 +203,21 @@ def loss_mask(input_ids: jax.Array, attention_mask: jax.Array, chat: ChatTokens,
     return mask[:, 1:].astype(jnp.float32)
 
 
+def final_turn_mask(input_ids: jax.Array, attention_mask: jax.Array, chat: ChatTokens, *,
+                    alignment: str = "reference") -> jax.Array:
+    """Trained positions ``[B, L − 1]`` of per-turn samples: the last message (the final assistant turn) only.
+
+    ``reference``: RAGEN-2's ``limited_multi_turn`` / ``single_turn`` mask (``ctx_manager.py:779-850``), positions
+    ``a − 1 … L − 2`` for the last turn-start token at ``a``: every token of the message, header and trailing
+    newline included, at the position that predicts it. ``standard``: the ``standard`` ``loss_mask`` inside it.
+    """
+    indicators = turn_indicators(input_ids, chat.turn_start_id)
+    last = (indicators == indicators[:, -1:]) & (indicators > 0) & (attention_mask > 0)
+    if alignment == "reference":
+        return last[:, 1:].astype(jnp.float32)
+    return loss_mask(input_ids, attention_mask, chat, alignment=alignment) * last[:, 1:]
+
+
 class Trajectory(NamedTuple):
     """A batch of trajectories, left padded to one length L.
 
@@ -207,7 +226,9 @@ class Trajectory(NamedTuple):
     ``group_ids``: ``[B]`` initial-state group; ``tag_ids``: ``[B]`` environment tag index;
     ``turn_rewards``: ``[B, L − 1]`` per-turn rewards on the turn ends (``use_turn_scores``), else None;
     ``rollout_log_probs``: ``[B, L − 1]`` the sampler's log-prob of token j + 1 where it was sampled in
-    this very context, NaN elsewhere (None when the rollout did not record them).
+    this very context, NaN elsewhere (None when the rollout did not record them);
+    ``episode_ids``: ``[B]`` the trajectory each row belongs to, for per-turn samples (``context_window_mode``
+    ``limited_multi_turn`` / ``single_turn``; rows of one episode are consecutive), else None.
     """
 
     input_ids: Any
@@ -220,6 +241,7 @@ class Trajectory(NamedTuple):
     tag_ids: Any
     turn_rewards: Any = None
     rollout_log_probs: Any = None
+    episode_ids: Any = None
 
 
 def position_ids(attention_mask: Any) -> Any:

@@ -1,13 +1,17 @@
-"""2048, the 2x2 cube and CoordSokoban (grid_coord) in the fused driver: the host driver's trajectories (greedy)."""
+"""2048, the 2x2 cube, CoordSokoban (grid_coord), CoordFrozenLake (grid_coord, coord) and Sudoku (free-text moves)
+in the fused driver: the host driver's trajectories (greedy); Sudoku's on-device parser gives the host's moves."""
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import envs
-from envs.text import env_prefix
+from envs.base import TextEnvironment
+from envs.sudoku import parse_move
+from envs.text import env_prefix, parse_response
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
 from starpo_jax.models.kv_cache import init_cache
@@ -17,36 +21,48 @@ from starpo_jax.sampler import make_sampler
 from starpo_jax.trajectory import render_chat
 from test_starpo_fused_rollout import assert_same, tiny_policy
 
-TAGS = ("Short2048", "rubikscube", "CoordSokoban")
-ROWS = (2, 2, 2)
-SEEDS = (3, 4, 5, 6, 7, 8)
-RESPONSE = "go</think><answer>Up || U</answer>"  # one name is valid in each game, the other a format penalty
-NEW_TOKENS = 12
+TAGS = ("Short2048", "rubikscube", "CoordSokoban", "CoordFrozenLake", "CoordLakeXY", "TinySudoku")
+ROWS = (2, 2, 2, 2, 2, 2)
+SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
+# "Up" is valid in 2048, Sokoban and FrozenLake, "U" in the cube, the rest a format penalty there. Sudoku: a move
+# (pattern 3; tab and newline keep the chain's tokens distinct), then two pieces no pattern parses, the last echoed
+# by the next state ("Could not parse action: 'Up'").
+RESPONSE = "go</think><answer>place\t3 at\n1,2 || U||Up</answer>"
+NEW_TOKENS = 18
 SETTINGS = RolloutSettings(max_turn=2, max_model_len=1024, train_on_sampled_ids=True, bucket=1024,
-                           max_actions_per_turn=2)
+                           max_actions_per_turn=3)
 CUSTOM_ENVS = {**envs.CUSTOM_ENVS_V2,
-               "Short2048": dataclasses.replace(envs.RAGEN2_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50)}
+               "Short2048": dataclasses.replace(envs.RAGEN2_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50),
+               "CoordLakeXY": envs.EnvEntry.of_type("coord_frozen_lake", observation_format="coord"),
+               "TinySudoku": envs.EnvEntry.of_type("sudoku", grid_size=4)}
+ANSWERS = ["place 5 at row 2 col 3 || 2,3,5 || Up || 9,9,10 || (1, 2,  3)", "I place 3 at (1,2)",
+           "5 at 1, 2 || at 12,3,4 || 003,1,2", "PLACE 4 AT ROW 1 COL 1", " || 1,2 ||| 3,4,5",
+           "place  3   at  row 2 col 3x || row 1, 2, 3 || (1,2,3) || place 1 at 2, 3", "4,4,4||0,1,1||1,2,3||1,1,1",
+           # \d and \s beyond ASCII
+           "\u0663,1,2 || place \uff13 at row 1 col 2 || 0\u0662,2,2", "1\u00a0at\u20034,\u06610"]
 
 
 def make_slots():
     tags = [b for b, n in enumerate(ROWS) for _ in range(n)]
-    return [reset_slot(GymnaxHostEnv(envs.make(TAGS[tag], CUSTOM_ENVS)), seed, group, tag)
-            for group, (seed, tag) in enumerate(zip(SEEDS, tags))]
+    made = [envs.make(TAGS[tag], CUSTOM_ENVS) for tag in tags]
+    return [reset_slot(GymnaxHostEnv(env) if isinstance(env, TextEnvironment) else env, seed, group, tag)
+            for group, (seed, tag, env) in enumerate(zip(SEEDS, tags, made))]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     slots = make_slots()
     corpus = [render_chat(s.prefix, s.history)[1]["content"] for s in slots] * 5 + [env_prefix(s.env) for s in slots]
+    corpus += [f"<answer>{answer}</answer>" for answer in ANSWERS] * 5
     tokenizer, config, graphdef, _, params, sampler_config = tiny_policy(corpus, RESPONSE,
                                                                          tmp_path_factory.mktemp("tok"), NEW_TOKENS)
     tables = [build_env_tables(envs.make(t, CUSTOM_ENVS), tokenizer, SETTINGS) for t in TAGS]
     fused = make_fused_rollout(graphdef, config, sampler_config, tables, ROWS, tokenizer, SETTINGS)
-    return dict(tokenizer=tokenizer, config=config, params=params, fused=fused,
+    return dict(tokenizer=tokenizer, config=config, params=params, fused=fused, tables=tables,
                 host_sampler=make_sampler(graphdef, sampler_config))
 
 
-def test_fused_equals_host_on_2048_the_cube_and_coord_sokoban(setup):
+def test_fused_equals_host_on_2048_the_cube_coord_sokoban_coord_frozen_lake_and_sudoku(setup):
     slots = make_slots()
     cache = init_cache(setup["config"], len(slots), SETTINGS.max_model_len + NEW_TOKENS)
     host = host_rollout(setup["host_sampler"], setup["params"], setup["tokenizer"], slots, cache, jax.random.key(7),
@@ -54,19 +70,57 @@ def test_fused_equals_host_on_2048_the_cube_and_coord_sokoban(setup):
     out = fused_rollout(setup["fused"], setup["params"], setup["tokenizer"], SEEDS, range(len(SEEDS)),
                         jax.random.key(7))
     assert_same(*out, host, slots)
-    assert all(s.num_actions > 0 for s in slots) and all(s.penalty < 0 for s in slots)
+    assert all(s.num_actions > 0 for s in slots) and all(s.penalty < 0 for s in slots[:10])
     text = setup["tokenizer"].decode(out.trajectory.input_ids[0])
     assert "Current 2048 Grid:" in text and text.count("<|im_start|>assistant\n<think>") >= 2
     assert np.mean([m["action_is_valid"] for m in out.metrics]) > 0
     assert "Max response length: 50 words (tokens)." in text  # Short2048's own max_tokens, not game_2048's 8192
     assert {"episodic_return", "max_tile", "final_score", "raw_reward", "score"} <= set(out.metrics[0])
     assert "max_tile" not in out.metrics[2]
+    lake, xy, sudoku = (setup["tokenizer"].decode(out.trajectory.input_ids[i]) for i in (6, 8, 10))
+    assert "Grid Map: \n" in lake and "Start: (" in lake and "Start: (" in xy and "Grid Map" not in xy
+    assert "SUDOKU PUZZLE" in sudoku and "Could not parse action: 'Up'" in sudoku
+    assert slots[10].num_actions == 6 and slots[10].penalty == 0  # every piece is an action, none a penalty
 
 
-def test_coordinate_observations_and_v2_bandit_are_host_only(setup):
-    for tag in ("CoordFrozenLake", "Bandit"):
-        with pytest.raises(ValueError, match=f"{tag}.*rollout_driver=host"):
-            build_env_tables(envs.make(tag, envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)
+def test_the_sudoku_device_parser_gives_the_host_moves(setup):
+    tokenizer, parser, n = setup["tokenizer"], setup["tables"][-1].parser, 4
+    texts = [f"x</think><answer>{answer}</answer>" for answer in ANSWERS] + ["no answer"]
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    batch = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    for i, row in enumerate(ids):
+        batch[i, :len(row)] = row
+    out = jax.jit(jax.vmap(parser.parse, (0, 0, None)))(jnp.asarray(batch), jnp.asarray([len(r) for r in ids]), 5)
+    for k, row in enumerate(ids):
+        actions = parse_response("<think>" + tokenizer.decode(row), True, 3).actions
+        moves = [parse_move(action, n) for action in actions]
+        want = [n ** 3 + 1 if isinstance(m, str) and m.startswith("Could") else n ** 3 if isinstance(m, str)
+                else ((m[0] - 1) * n + m[1] - 1) * n + m[2] - 1 for m in moves]
+        assert [int(a) for a in np.asarray(out.action_ids[k]) if a >= 0] == want, texts[k]
+        echo = bytes(np.asarray(out.context[0][k])[:int(out.context[1][k])]).decode()
+        assert echo == (actions[-1] if actions else ""), texts[k]
+        assert bool(out.format_penalty[k]) == (not actions)
+
+
+def test_the_9x9_sudoku_renderer_gives_the_tokenizer_encoding(setup):
+    """SimpleSudoku's tables (box chunks of three cells): ``state_renderer`` checks them on 24 sample states
+    (feedback of every kind, valid-number lines, echoes) against the whole-text encoding, and raises otherwise."""
+    env = envs.make("SimpleSudoku", envs.CUSTOM_ENVS_V2).device_env()
+    renderer = env.state_renderer(setup["tokenizer"], env.default_params, env.max_actions_per_traj, num_checks=24)
+    obs, state = env.reset_env(jax.random.key(0), env.default_params)
+    ids, length = renderer.tokens(obs)
+    assert setup["tokenizer"].decode(ids[:length]) == env.render_text(state) + "\n"
+    assert "[" in env.render_text(state) and "| " in env.render_text(state)
+
+
+def test_v2_bandit_is_host_only_and_16x16_sudoku_names_the_limit(setup):
+    with pytest.raises(ValueError, match="Bandit.*rollout_driver=host"):
+        build_env_tables(envs.make("Bandit", envs.CUSTOM_ENVS_V2), setup["tokenizer"], SETTINGS)
+    config = load_config("v2-sudoku-starpo-s-ppo", ["agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True"])
+    assert config.agent_proxy.rollout_driver == "fused"  # no longer refused as host-only
+    big = envs.make("SimpleSudoku", envs.CUSTOM_ENVS_V2, grid_size=16)
+    with pytest.raises(ValueError, match="grid_size=16 has no on-device renderer.*rollout_driver=host"):
+        build_env_tables(big, setup["tokenizer"], SETTINGS)
 
 
 def test_a_config_override_of_max_tokens_reaches_the_fused_tables(setup):

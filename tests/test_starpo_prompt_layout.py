@@ -77,8 +77,11 @@ def test_config_keys_are_validated_and_reach_the_rollout_settings():
     with pytest.raises(ValueError, match="agent_proxy.context_window_mode must be one of"):
         load_config("starpo-s-ppo", ["agent_proxy.context_window_mode=window"])
     for mode in ("limited_multi_turn", "single_turn"):
-        with pytest.raises(ValueError, match=f"agent_proxy.context_window_mode={mode} .*not implemented"):
-            load_config("starpo-s-ppo", [f"agent_proxy.context_window_mode={mode}"])
+        assert rollout_settings(load_config("starpo-s-ppo", [f"agent_proxy.context_window_mode={mode}"])
+                                ).context_window_mode == mode
+        with pytest.raises(ValueError, match=f"agent_proxy.context_window_mode={mode} needs "
+                                             f"agent_proxy.rollout_driver=host, got fused"):
+            load_config("starpo-s-ppo", [f"agent_proxy.context_window_mode={mode}", "agent_proxy.rollout_driver=fused"])
 
 
 def test_fused_equals_host_under_the_v2_layout_with_warnings(tmp_path_factory):

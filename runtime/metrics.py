@@ -1,4 +1,4 @@
-"""Scalar metrics to JSONL and TensorBoard, and a progress display for long loops.
+"""Scalar metrics to JSONL and TensorBoard, tables to their own JSONL, and a progress display for long loops.
 
 Only process 0 writes; other processes get a writer that does nothing, so launch
 scripts call ``write`` unconditionally. Files are opened at the first ``write``, so a
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -20,6 +20,16 @@ from tensorboardX import SummaryWriter
 
 from runtime.console import CONSOLE
 from runtime.wandb_logger import WandbLogger
+
+
+TABLES_FILE = "tables.jsonl"
+
+
+class Table(NamedTuple):
+    """A logged table (a W&B ``Table`` when wandb logs): column names and one tuple per row."""
+
+    columns: tuple[str, ...]
+    rows: list[tuple]
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -36,6 +46,9 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 class MetricWriter:
     """Writes scalar dicts to ``<logdir>/metrics.jsonl`` and TensorBoard event files.
+
+    ``Table`` values in a row go to ``<logdir>/tables.jsonl`` instead, one line
+    ``{"step", "key", "columns", "rows"}`` per table (and to wandb as tables).
 
     Args:
       logdir: folder for both outputs; created if missing.
@@ -55,8 +68,9 @@ class MetricWriter:
         self._tb = None
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """Writes one row of scalars for ``step``; returns them as floats."""
-        scalars = to_scalars(metrics)
+        """Writes one row of scalars (and its tables) for ``step``; returns the scalars as floats."""
+        tables = {name: value for name, value in metrics.items() if isinstance(value, Table)}
+        scalars = to_scalars({name: value for name, value in metrics.items() if name not in tables})
         if not self.enabled:
             return scalars
         if self._jsonl is None:
@@ -70,8 +84,13 @@ class MetricWriter:
         if self._tb is not None:
             for name, value in scalars.items():
                 self._tb.add_scalar(name, value, global_step=int(step))
+        if tables:
+            with open(os.path.join(self.logdir, TABLES_FILE), "a", encoding="utf-8") as f:
+                f.writelines(json.dumps({"step": int(step), "key": name, "columns": list(table.columns),
+                                         "rows": [list(row) for row in table.rows]}) + "\n"
+                             for name, table in tables.items())
         if self._wandb is not None:
-            self._wandb.write(step, scalars)
+            self._wandb.write(step, scalars, tables)
         return scalars
 
     def discard_after(self, step: int) -> None:

@@ -32,14 +32,14 @@ from typing import Any, Mapping, Sequence
 import jax
 
 from runtime.checkpoint import Checkpointer, NoReadableCheckpoint
-from runtime.metrics import keep_rows
+from runtime.metrics import TABLES_FILE, keep_rows
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
 LOCK_FILE = ".lock"
-HISTORY = ("metrics.jsonl", "events.out.tfevents.*", "rollouts", CONFIG_FILE, CHANGES_FILE)
+HISTORY = ("metrics.jsonl", TABLES_FILE, "events.out.tfevents.*", "rollouts", CONFIG_FILE, CHANGES_FILE)
 
 
 class RunFolderError(RuntimeError):
@@ -186,6 +186,7 @@ class RunFolder:
         else:
             if jax.process_index() == 0:
                 keep_rows(self.out / "metrics.jsonl", start)
+                keep_rows(self.out / TABLES_FILE, start)
             if self._changes or not (self.out / CONFIG_FILE).is_file():
                 self._record_changes(start)
         return state, loop, start

@@ -42,9 +42,14 @@ class WandbLogger:
 
             self._run = wandb.init(project=project, name=name, config=dict(config), dir=os.fspath(logdir))
 
-    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    def write(self, step: int, scalars: Mapping[str, float], tables: Mapping[str, Any] | None = None) -> None:
+        """Logs ``scalars`` and ``tables`` (``runtime.metrics.Table``s, as W&B tables) at ``step``."""
         if self._run is not None:
-            self._run.log(dict(scalars), step=int(step))
+            import wandb
+
+            row = dict(scalars) | {name: wandb.Table(columns=list(table.columns), data=[list(r) for r in table.rows])
+                                   for name, table in (tables or {}).items()}
+            self._run.log(row, step=int(step))
 
     def close(self) -> None:
         if self._run is not None:

@@ -208,6 +208,12 @@ class TrainerConfig:
     # 1, 1 + every, … before the actor update, without an optimizer step.
     gradient_analysis_mode: bool = False
     gradient_analysis_every: int = 50
+    # A separate analysis rollout of this shape when either differs from es_manager.train's (None: the training's).
+    gradient_analysis_env_groups: int | None = None
+    gradient_analysis_group_size: int | None = None
+    gradient_analysis_log_prefilter: bool = False  # also analyse the separate batch before its filter
+    gradient_analysis_only: bool = False  # probe: no critic or actor update
+    exit_after_gradient_analysis: bool = False  # end the run right after the first analysis
 
 
 @dataclass(frozen=True)

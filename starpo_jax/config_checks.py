@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from envs.registry import runs_on_device
 from runtime.wandb_logger import check_loggers
+from starpo_jax.analysis_rollout import analysis_config
 from starpo_jax.advantages import ADVANTAGE_ESTIMATORS
 from starpo_jax.config import EnvGroupsConfig, LoraConfig, StarPOConfig
 from starpo_jax.config_keys import check_refused, lora_targets, validate_optim
@@ -172,8 +173,6 @@ def _validate_filter(config: StarPOConfig) -> None:
         _require(rollout.rollout_filter_type in allowed,
                  f"{path}.rollout_filter_type must be one of {allowed} for {strategy}, got {rollout.rollout_filter_type!r}")
         metric = snr_config(rollout).metric  # raises naming the key on a bad strategy, value or metric
-        _require(not metric.startswith("entropy"), f"{path}.rollout_filter_metric={rollout.rollout_filter_metric} "
-                 f"needs a per-token entropy pass over the whole rollout batch, which is not implemented")
         _require(rollout.rollout_filter_empty_stop_steps >= 0, f"{path}.rollout_filter_empty_stop_steps must be >= 0")
         _require(not config.trainer.early_stop_reward_variance_collapse or metric in REWARD_METRICS,
                  "trainer.early_stop_reward_variance_collapse watches the reward filter's rollout/in_group_reward_std: "
@@ -209,6 +208,36 @@ def _validate_turn_level(config: StarPOConfig) -> None:
     _require_constant_lr(config, f"{mode} (the number of turn-samples varies)")
 
 
+def _validate_gradient_analysis(config: StarPOConfig) -> None:
+    """The separate analysis rollout's shape and the probe switches (ragen2.md §5.1)."""
+    trainer, default = config.trainer, type(config.trainer)()
+    keys = ("gradient_analysis_env_groups", "gradient_analysis_group_size", "gradient_analysis_log_prefilter",
+            "gradient_analysis_only", "exit_after_gradient_analysis")
+    unused = [f"trainer.{k}" for k in keys if getattr(trainer, k) != getattr(default, k)]
+    _require(trainer.gradient_analysis_mode or not unused, f"{', '.join(unused)} act(s) on the gradient analysis: "
+                                                           f"set trainer.gradient_analysis_mode=True")
+    for key in keys[:2]:
+        value = getattr(trainer, key)
+        _require(value is None or value >= 1, f"trainer.{key} must be >= 1 (or null: the training shape), got {value}")
+    shaped = analysis_config(config)
+    _require(shaped is not None or not trainer.gradient_analysis_log_prefilter,
+             "trainer.gradient_analysis_log_prefilter analyses the separate analysis batch before its filter: set "
+             "trainer.gradient_analysis_env_groups or gradient_analysis_group_size to a shape other than "
+             "es_manager.train's")
+    if shaped is None:
+        return
+    analysis = shaped.es_manager.train
+    _require(min(analysis.env_configs.n_groups) >= 1,
+             f"trainer.gradient_analysis_env_groups={analysis.env_groups} leaves a tag of es_manager.train.env_configs "
+             f"without groups (its n_groups rescale to {list(analysis.env_configs.n_groups)}): give more groups")
+    try:
+        _validate_batches(shaped)
+    except ValueError as error:
+        raise ValueError(f"the gradient analysis batch (trainer.gradient_analysis_env_groups={analysis.env_groups}, "
+                         f"gradient_analysis_group_size={analysis.group_size} in place of es_manager.train's): "
+                         f"{error}") from None
+
+
 def _validate_ragen2(config: StarPOConfig) -> None:
     """RAGEN-2 keys that only act under ``ragen_version=v2`` or need another key."""
     algorithm, v2 = config.algorithm, config.ragen_version == "v2"
@@ -228,6 +257,7 @@ def _validate_ragen2(config: StarPOConfig) -> None:
     unused += ["trainer.gradient_analysis_every"] if trainer.gradient_analysis_every != 50 else []
     _require(trainer.gradient_analysis_mode or not unused, f"{', '.join(unused)} shape(s) the gradient analysis: "
                                                            f"set trainer.gradient_analysis_mode=True")
+    _validate_gradient_analysis(config)
     collapse = config.collapse_detection
     _require(not collapse.enabled or config.agent_proxy.enable_think,
              "collapse_detection.first_turn_enabled / multi_turn_enabled score the <think> reasoning: they need "

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from runtime.metrics import Table
 from starpo_jax.losses import configured_actor_loss
 from starpo_jax.steps import PolicyBatch, model_token_log_probs
 
@@ -63,13 +64,20 @@ def make_component_grad_norms(graphdef: nnx.GraphDef, actor: Any, temperature: f
     return jax.jit(fn)
 
 
-def gradient_analysis(grad_norms: Callable, params: Any, frozen: Any, batch: PolicyBatch, group_ids: np.ndarray,
-                      reward_std: np.ndarray, num_buckets: int, mode: str) -> dict[str, float]:
-    """RAGEN-2's ``grad_norm/{all,bucket_i}/*`` metrics of one batch, and ``actor/grad_norm/*``, ``actor/loss/*``
-    of the whole batch (``gradient_reporter``); ``reward_std`` is each row's pre-filter group std."""
+def _buckets(group_ids: np.ndarray, reward_std: np.ndarray, num_buckets: int,
+             mode: str) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """``(groups, r_g, {bucket: indices into groups})``: the batch's group ids, their RV and ``all`` + the buckets."""
     groups = np.unique(group_ids)
     group_std = np.array([reward_std[group_ids == g].mean() for g in groups])
-    buckets = {"all": np.arange(len(groups)), **bucket_groups(group_std, num_buckets, mode)}
+    return groups, group_std, {"all": np.arange(len(groups)), **bucket_groups(group_std, num_buckets, mode)}
+
+
+def gradient_analysis(grad_norms: Callable, params: Any, frozen: Any, batch: PolicyBatch, group_ids: np.ndarray,
+                      reward_std: np.ndarray, num_buckets: int, mode: str,
+                      prefix: str = "grad_norm") -> dict[str, float]:
+    """RAGEN-2's ``{prefix}/{all,bucket_i}/*`` metrics of one batch, and (for ``grad_norm``) ``actor/grad_norm/*``,
+    ``actor/loss/*`` of the whole batch (``gradient_reporter``); ``reward_std`` is each row's pre-filter group std."""
+    groups, group_std, buckets = _buckets(group_ids, reward_std, num_buckets, mode)
     out: dict[str, float] = {}
     for name, members in buckets.items():
         rows = np.flatnonzero(np.isin(group_ids, groups[members]))
@@ -83,7 +91,15 @@ def gradient_analysis(grad_norms: Callable, params: Any, frozen: Any, batch: Pol
             if component in metrics:
                 stats |= {f"per_sample/{component}": metrics[component] / len(rows),
                           f"per_token/{component}": metrics[component] / tokens}
-        out |= {f"grad_norm/{name}/{k}": v for k, v in (metrics | stats).items()}
-        if name == "all":
+        out |= {f"{prefix}/{name}/{k}": v for k, v in (metrics | stats).items()}
+        if name == "all" and prefix == "grad_norm":
             out |= {f"actor/{'grad_norm/' if '/' not in k else ''}{k}": v for k, v in metrics.items()}
     return out
+
+
+def group_rv_tables(group_ids: np.ndarray, reward_std: np.ndarray, num_buckets: int, mode: str,
+                    prefix: str = "grad_norm") -> dict[str, Table]:
+    """``{prefix}/{bucket}/group_rv_table``: one row ``(bucket, group_id, reward_std)`` per group of the bucket."""
+    groups, group_std, buckets = _buckets(group_ids, reward_std, num_buckets, mode)
+    return {f"{prefix}/{name}/group_rv_table": Table(("bucket", "group_id", "reward_std"), [
+        (name, int(groups[i]), float(group_std[i])) for i in members]) for name, members in buckets.items()}

@@ -37,13 +37,16 @@ class FilterInputs(NamedTuple):
     ``raw``: score + penalty before normalisation (or the summed turn rewards with ``use_turn_scores``);
     ``normalized``: the trajectory reward after ``agent_proxy.reward_normalization`` (RAGEN-2's
     ``original_rm_scores``); ``lengths``: trained tokens of each trajectory; ``episode_ids``: each row's episode
-    when rows are turn-samples (``Trajectory.episode_ids``), else None.
+    when rows are turn-samples (``Trajectory.episode_ids``), else None; ``entropies``: each row's mean token entropy
+    under the current policy, Σ(H·loss_mask) / max(Σ loss_mask, 1) (only for the entropy metrics; an episode's is
+    the mean over its turn-samples).
     """
 
     raw: np.ndarray
     normalized: np.ndarray
     lengths: np.ndarray
     episode_ids: np.ndarray | None = None
+    entropies: np.ndarray | None = None
 
 
 class FilteredRows(NamedTuple):
@@ -108,7 +111,8 @@ def snr_filter(inputs: FilterInputs, config: Any, step: int) -> FilteredRows:
     episodes = Episodes(inputs.episode_ids, len(inputs.raw))
     inputs = episodes.reduce_inputs(inputs)
     rewards = inputs.raw if config.agent_proxy.use_turn_scores else inputs.normalized
-    values = inputs.lengths if filter_config.metric == "length" else rewards
+    values = {"length": inputs.lengths, "entropy": inputs.entropies,
+              "entropy_variance": inputs.entropies}.get(filter_config.metric, rewards)
     shape = (groups.env_groups, groups.group_size)
     selection = SnrSelection(filter_config, np.asarray(values, np.float64).reshape(shape),
                              np.asarray(rewards, np.float64).reshape(shape))

@@ -18,16 +18,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from runtime.mesh import batch_sharding
+from runtime.metrics import Table
 from runtime.sharding import shardings_of
 from runtime.train_state import TrainState, compile_step, init_train_state
 from starpo_jax.advantages import AdvantageInputs, apply_kl_penalty, compute_advantage, scale_advantages
+from starpo_jax.analysis_rollout import analysis_config, keep_all_config
 from starpo_jax.config import StarPOConfig
 from starpo_jax.episodes import Episodes
 from starpo_jax.filtering import num_kept_groups
-from starpo_jax.gradient_analysis import gradient_analysis, make_component_grad_norms
+from starpo_jax.gradient_analysis import gradient_analysis, group_rv_tables, make_component_grad_norms
 from starpo_jax.group_filters import ROLLOUT_FILTERS, FilterInputs
 from starpo_jax.masked import masked_mean
 from starpo_jax.scores import normalization_group_ids, normalize_scores, place_scores_on_last_token
+from starpo_jax.snr_filter import STRATEGIES, canonical_metric
 from starpo_jax.steps import (CriticBatch, PolicyBatch, learning_rate, make_actor_step, make_critic_step,
                               make_log_prob_fn, make_optimizer, make_value_fn, split_trainable)
 from starpo_jax.trajectory import Trajectory
@@ -44,7 +47,8 @@ class Learner(NamedTuple):
     ``log_probs`` / ``values``: ``(trainable, frozen, ids, mask) -> [B, L − 1]``;
     ``reference``: trainable variables giving the reference policy (LoRA zeroed, or the
     initial parameters), or ``None`` when no KL term needs it. ``grad_norms``: the gradient analysis's per-component
-    function (``trainer.gradient_analysis_mode``).
+    function (``trainer.gradient_analysis_mode``). ``entropies``: ``make_log_prob_fn(..., with_entropy=True)`` over
+    ``entropies_micro_batches`` micro-batches, for RAGEN-2's entropy filter metrics (else ``None``).
     """
 
     actor_step: Callable
@@ -55,6 +59,8 @@ class Learner(NamedTuple):
     critic_frozen: Any
     reference: Any
     grad_norms: Callable | None = None
+    entropies: Callable | None = None
+    entropies_micro_batches: int = 1
 
 
 def num_micro_batches(config: StarPOConfig, mesh: Mesh, section: str = "actor_rollout_ref.actor") -> int:
@@ -127,12 +133,21 @@ def build_learner(config: StarPOConfig, policy: nnx.Module, critic: nnx.Module |
         critic_step=critic_step, log_probs=jax.jit(make_log_prob_fn(graphdef, micro_batches, temperature)),
         values=values, actor_frozen=frozen, critic_frozen=critic_frozen, reference=reference,
         grad_norms=make_component_grad_norms(graphdef, actor_cfg, temperature)
-        if config.trainer.gradient_analysis_mode else None)
+        if config.trainer.gradient_analysis_mode else None,
+        entropies=jax.jit(make_log_prob_fn(graphdef, micro_batches, temperature, with_entropy=True))
+        if filters_on_entropy(config) else None, entropies_micro_batches=micro_batches)
     return learner, actor, critic_state, graphdef
 
 
-def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int,
-                  step: int = 0) -> tuple[Trajectory, jax.Array, dict, np.ndarray]:
+def filters_on_entropy(config: StarPOConfig) -> bool:
+    """Whether an SNR filter ranks groups by the policy's token entropy (``rollout_filter_metric`` entropy*)."""
+    rollout = config.actor_rollout_ref.rollout
+    return rollout.rollout_filter_strategy in STRATEGIES and canonical_metric(rollout.rollout_filter_metric) in (
+        "entropy", "entropy_variance")
+
+
+def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int, step: int = 0,
+                  entropies: np.ndarray | None = None) -> tuple[Trajectory, jax.Array, dict, np.ndarray]:
     """Normalised scores on the full batch, then the ``rollout_filter_strategy`` filter (starpo.md §11, ragen2.md §4).
 
     Returns the kept rows (group-major; RAGEN-2's batch adjustment may repeat rows), their normalised scores,
@@ -140,6 +155,7 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int,
     normalisation (starpo.md §22.12), RAGEN-2's filter the normalised reward; with ``agent_proxy.use_turn_scores``
     both rank each row's summed turn rewards as placed on the tokens (RAGEN ``original_rm_scores.sum(-1)``: no
     penalty, no normalisation). Per-turn samples (``traj.episode_ids``) are normalised and ranked per episode.
+    ``entropies``: each row's mean token entropy (``filter_entropies``), which the entropy metrics rank.
     """
     groups = config.es_manager.train
     norm = config.agent_proxy.reward_normalization
@@ -150,7 +166,8 @@ def select_groups(traj: Trajectory, config: StarPOConfig, num_tags: int,
         raw = np.sum(np.asarray(traj.turn_rewards), axis=1)
     else:
         raw = np.asarray(traj.scores) + np.asarray(traj.penalty)
-    inputs = FilterInputs(raw, np.asarray(normalized), np.sum(np.asarray(traj.loss_mask), axis=1), traj.episode_ids)
+    inputs = FilterInputs(raw, np.asarray(normalized), np.sum(np.asarray(traj.loss_mask), axis=1), traj.episode_ids,
+                          entropies)
     kept = ROLLOUT_FILTERS.get(config.actor_rollout_ref.rollout.rollout_filter_strategy)(inputs, config, step)
     rows = np.asarray(kept.rows, np.int64)
     selected = Trajectory(*(None if x is None else np.asarray(x)[rows] for x in traj))
@@ -200,29 +217,40 @@ def run_epochs(step: Callable, state: TrainState, frozen: Any, batch: Any, mini_
     return state, metrics
 
 
-def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj: Trajectory,
-           config: StarPOConfig, num_tags: int = 1, step: int = 0) -> tuple[TrainState, TrainState | None,
-                                                                              dict[str, float]]:
-    """Filters, scores and trains on one rollout (iteration ``step``, 0-based); returns the new states and
-    RAGEN-named metrics.
+def filter_entropies(learner: Learner, actor: TrainState, traj: Trajectory,
+                     config: StarPOConfig) -> np.ndarray | None:
+    """Each trajectory's mean token entropy Σ(H·loss_mask) / max(Σ loss_mask, 1) under the current policy, when
+    ``config``'s filter ranks by entropy (RAGEN-2's extra log-prob pass over the whole batch, ragen2.md §4.3)."""
+    if not filters_on_entropy(config):
+        return None
+    if learner.entropies is None:
+        raise ValueError("rollout_filter_metric ranks by entropy: build the learner with that config")
+    ids, mask = (np.asarray(x) for x in (traj.input_ids, traj.attention_mask))
+    pad = -len(ids) % learner.entropies_micro_batches  # the pass splits rows into whole micro-batches
+    padded = [np.concatenate([x, np.repeat(x[-1:], pad, axis=0)]) for x in (ids, mask)]
+    entropy = np.asarray(learner.entropies(actor.params, learner.actor_frozen, *padded)[1])[:len(ids)]
+    loss_mask = np.asarray(traj.loss_mask, np.float32)
+    return np.sum(entropy * loss_mask, axis=1) / np.maximum(np.sum(loss_mask, axis=1), 1.0)
 
-    The critic trains ``critic.ppo_epochs`` epochs, then (from iteration ``trainer.critic_warmup`` on, counted
-    from 1) the actor ``actor_rollout_ref.actor.ppo_epochs`` epochs, each over its own mini-batches, in a
-    permutation seeded by ``seed.train`` and ``step`` with ``actor_rollout_ref.actor.shuffle``.
-    """
-    timing: dict[str, float] = {}
+
+class Prepared(NamedTuple):
+    """A filtered batch ready to train: the actor's batch, the critic's values and returns, and its metrics."""
+
+    policy: PolicyBatch
+    values: jax.Array | None
+    returns: jax.Array
+    metrics: dict
+
+
+def prepare_batch(actor: TrainState, critic: TrainState | None, learner: Learner, batch: Trajectory,
+                  normalized: jax.Array, config: StarPOConfig, kept_ratio: float) -> Prepared:
+    """Old and reference log-probs, values, token rewards (KL-in-reward optional), advantages and their scaling
+    (``kept_ratio``: the filter's, for ``filter_loss_scaling``) of a filtered batch; ``timing_s/old_log_prob``."""
     clock = time.perf_counter()
-    batch, normalized, metrics, reward_std = select_groups(traj, config, num_tags, step)
-    rows = len(batch.group_ids)
-    mini = _batch_sizes(config, "actor_rollout_ref.actor")[0]
-    metrics |= {"train/batch_size": float(rows), "train/num_mini_batches": float(rows // mini),
-                "train/rollout_attempts": 1.0}
-    if not rows:  # RAGEN-2 skips the update of a step whose filter kept nothing (ragen2.md §4.8)
-        return actor, critic, {k: float(v) for k, v in metrics.items()}
+    metrics: dict = {}
     ids, mask, loss_mask = (jnp.asarray(x) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask))
-
     old_log_probs = learner.log_probs(actor.params, learner.actor_frozen, ids, mask)
-    timing["timing_s/old_log_prob"] = time.perf_counter() - clock
+    metrics["timing_s/old_log_prob"] = time.perf_counter() - clock
     ref_log_probs = jnp.zeros_like(old_log_probs)
     if learner.reference is not None:
         ref_log_probs = learner.log_probs(learner.reference, learner.actor_frozen, ids, mask)
@@ -250,36 +278,140 @@ def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj:
     episode_ids = None if batch.episode_ids is None else jnp.asarray(batch.episode_ids)
     adv = compute_advantage(AdvantageInputs(rewards, values, loss_mask, jnp.asarray(batch.group_ids), old_log_probs,
                                             ref_log_probs, episode_ids), config)
-    adv, scaling = scale_advantages(adv, rewards, jnp.asarray(batch.group_ids), config,
-                                    metrics.get("rollout/filter_kept_ratio", 1.0), episode_ids)
+    adv, scaling = scale_advantages(adv, rewards, jnp.asarray(batch.group_ids), config, kept_ratio, episode_ids)
     metrics |= scaling
     metrics.update({"critic/advantages/mean": masked_mean(adv.advantages, loss_mask),
                     "critic/returns/mean": masked_mean(adv.returns, loss_mask),
                     "response_length/mean": jnp.mean(jnp.sum(loss_mask, axis=1))})
+    policy = PolicyBatch(ids, mask, loss_mask, old_log_probs, adv.advantages, ref_log_probs)
+    return Prepared(policy, values, adv.returns, metrics)
+
+
+def separate_analysis_batches(actor: TrainState, critic: TrainState | None, learner: Learner, traj: Trajectory,
+                              config: StarPOConfig, num_tags: int, step: int) -> tuple[list[tuple], dict]:
+    """The separate analysis rollout ``traj`` filtered and prepared like a training batch (``agent_trainer.py:
+    732-896``): ``[(prefix, Prepared, group_ids, reward_std)]`` for ``grad_norm`` (unless the filter kept nothing)
+    and, with ``trainer.gradient_analysis_log_prefilter``, ``grad_norm_prefilter``; and the bookkeeping metrics."""
+    shaped = analysis_config(config)
+    groups = shaped.es_manager.train
+    metrics = {"grad_analysis/source_env_groups": float(groups.env_groups),
+               "grad_analysis/source_group_size": float(groups.group_size),
+               "grad_analysis/source_batch_size": float(len(traj.group_ids))}
+    batch, normalized, filtered, reward_std = select_groups(traj, shaped, num_tags, step,
+                                                            filter_entropies(learner, actor, traj, shaped))
+    metrics["grad_analysis/empty_after_filter"] = float(len(batch.group_ids) == 0)
+    metrics |= {f"grad_analysis/{k.split('/', 1)[-1]}": v for k, v in filtered.items()}
+    passes = []
+    if config.trainer.gradient_analysis_log_prefilter:
+        whole, whole_normalized, _, whole_std = select_groups(traj, keep_all_config(shaped), num_tags, step)
+        metrics |= {"grad_analysis_prefilter/source_batch_size": float(len(traj.group_ids)),
+                    "grad_analysis_prefilter/adjusted_batch_size": float(len(whole.group_ids))}
+        prepared = prepare_batch(actor, critic, learner, whole, whole_normalized, shaped, 1.0)
+        passes.append(("grad_norm_prefilter", prepared, whole.group_ids, whole_std))
+    if len(batch.group_ids):
+        metrics["grad_analysis/adjusted_batch_size"] = float(len(batch.group_ids))
+        prepared = prepare_batch(actor, critic, learner, batch, normalized, shaped,
+                                 filtered.get("rollout/filter_kept_ratio", 1.0))
+        passes.append(("grad_norm", prepared, batch.group_ids, reward_std))
+    return passes, metrics
+
+
+def run_gradient_analysis(actor: TrainState, critic: TrainState | None, learner: Learner, config: StarPOConfig,
+                          training: tuple | None, analysis_rollout: Callable[[], Trajectory] | None, num_tags: int,
+                          step: int) -> dict:
+    """RAGEN-2's gradient analysis of one step (``run_gradient_analysis``, ragen2.md §5): on the separate rollout
+    ``analysis_rollout()`` when the config gives one a shape, else on ``training`` (``(Prepared, group_ids,
+    reward_std)`` of the training batch, ``None`` when it is empty); norms, bookkeeping and ``group_rv_table``s."""
+    rollout = config.actor_rollout_ref.rollout
+    if analysis_config(config) is None:
+        passes = [] if training is None else [("grad_norm", *training)]
+        metrics: dict = {"grad_analysis/uses_training_batch": 1.0}
+    else:
+        if analysis_rollout is None:
+            raise ValueError("trainer.gradient_analysis_env_groups / _group_size give the gradient analysis its own "
+                             "rollout: pass update(..., analysis_rollout=) a player of that shape")
+        passes, metrics = separate_analysis_batches(actor, critic, learner, analysis_rollout(), config, num_tags, step)
+        metrics["grad_analysis/uses_training_batch"] = 0.0
+    for prefix, prepared, group_ids, reward_std in passes:
+        buckets = (np.asarray(group_ids), np.asarray(reward_std), rollout.gradient_analysis_num_buckets,
+                   rollout.gradient_analysis_bucket_mode)
+        metrics |= gradient_analysis(learner.grad_norms, actor.params, learner.actor_frozen, prepared.policy,
+                                     *buckets, prefix=prefix)
+        metrics |= group_rv_tables(*buckets, prefix=prefix)
+    return metrics
+
+
+def update(actor: TrainState, critic: TrainState | None, learner: Learner, traj: Trajectory,
+           config: StarPOConfig, num_tags: int = 1, step: int = 0,
+           analysis_rollout: Callable[[], Trajectory] | None = None) -> tuple[TrainState, TrainState | None,
+                                                                            dict[str, Any]]:
+    """Filters, scores and trains on one rollout (iteration ``step``, 0-based); returns the new states and
+    RAGEN-named metrics (floats, and the gradient analysis's ``runtime.metrics.Table``s).
+
+    The critic trains ``critic.ppo_epochs`` epochs, then (from iteration ``trainer.critic_warmup`` on, counted
+    from 1) the actor ``actor_rollout_ref.actor.ppo_epochs`` epochs, each over its own mini-batches, in a
+    permutation seeded by ``seed.train`` and ``step`` with ``actor_rollout_ref.actor.shuffle``. On the gradient
+    analysis's steps it runs between the two (on ``analysis_rollout()``'s batch when the analysis has its own
+    shape); ``trainer.gradient_analysis_only`` skips both updates, ``trainer.exit_after_gradient_analysis``
+    returns right after the analysis with ``trainer/exited_after_gradient_analysis``.
+    """
+    timing: dict[str, float] = {}
+    clock = time.perf_counter()
+    batch, normalized, metrics, reward_std = select_groups(traj, config, num_tags, step,
+                                                           filter_entropies(learner, actor, traj, config))
+    rows = len(batch.group_ids)
+    mini = _batch_sizes(config, "actor_rollout_ref.actor")[0]
+    trainer = config.trainer
+    metrics |= {"train/batch_size": float(rows), "train/num_mini_batches": float(rows // mini),
+                "train/rollout_attempts": 1.0, "trainer/gradient_analysis_only": float(trainer.gradient_analysis_only)}
+    analyse = (learner.grad_norms is not None and step % trainer.gradient_analysis_every == 0
+               and trainer.critic_warmup <= step + 1)
+    if not rows:  # RAGEN-2 skips the update of a step whose filter kept nothing (ragen2.md §4.8)
+        if analyse and trainer.gradient_analysis_only:  # a probe still analyses its separate batch
+            metrics |= run_gradient_analysis(actor, critic, learner, config, None, analysis_rollout, num_tags, step)
+            metrics |= {"trainer/exited_after_gradient_analysis": 1.0} if trainer.exit_after_gradient_analysis else {}
+        return actor, critic, _host_metrics(metrics, [])
+    prepared = prepare_batch(actor, critic, learner, batch, normalized, config,
+                             metrics.get("rollout/filter_kept_ratio", 1.0))
+    timing["timing_s/old_log_prob"] = prepared.metrics.pop("timing_s/old_log_prob")
+    metrics |= prepared.metrics
+    policy_batch = prepared.policy
+    ids, mask, loss_mask = policy_batch.input_ids, policy_batch.attention_mask, policy_batch.loss_mask
 
     rows_sharding = batch_sharding(actor.step.sharding.mesh, 2)
     actor_cfg = config.actor_rollout_ref.actor
     key = jax.random.fold_in(jax.random.key(config.seed.train), step) if actor_cfg.shuffle else None
     step_metrics: list[dict] = []
-    if critic is not None:  # the critic's shuffle follows the actor's, as verl's config interpolates it
+    if critic is not None and trainer.gradient_analysis_only:
+        metrics["critic/skipped_for_gradient_analysis_only"] = 1.0
+    elif critic is not None:  # the critic's shuffle follows the actor's, as verl's config interpolates it
         critic, step_metrics = run_epochs(
             learner.critic_step, critic, learner.critic_frozen,
-            CriticBatch(ids, mask, loss_mask, values, adv.returns), _batch_sizes(config, "critic")[0],
+            CriticBatch(ids, mask, loss_mask, prepared.values, prepared.returns), _batch_sizes(config, "critic")[0],
             config.critic.ppo_epochs, None if key is None else jax.random.fold_in(key, 1), rows_sharding)
-    policy_batch = PolicyBatch(ids, mask, loss_mask, old_log_probs, adv.advantages, ref_log_probs)
-    if config.trainer.critic_warmup <= step + 1:  # verl: the actor trains once critic_warmup <= global step
-        if learner.grad_norms is not None and step % config.trainer.gradient_analysis_every == 0:
-            rollout = config.actor_rollout_ref.rollout  # RAGEN-2: after the critic, before the actor (ragen2.md §5.2)
-            metrics |= gradient_analysis(learner.grad_norms, actor.params, learner.actor_frozen, policy_batch,
-                                         np.asarray(batch.group_ids), reward_std, rollout.gradient_analysis_num_buckets,
-                                         rollout.gradient_analysis_bucket_mode)
-        actor, actor_metrics = run_epochs(
-            learner.actor_step, actor, learner.actor_frozen, policy_batch,
-            _batch_sizes(config, "actor_rollout_ref.actor")[0], actor_cfg.ppo_epochs,
-            None if key is None else jax.random.fold_in(key, 0), rows_sharding)
-        step_metrics += actor_metrics
+    if trainer.critic_warmup <= step + 1:  # verl: the actor trains once critic_warmup <= global step
+        if analyse:  # RAGEN-2: after the critic, before the actor (ragen2.md §5.2)
+            metrics |= run_gradient_analysis(actor, critic, learner, config, (prepared, batch.group_ids, reward_std),
+                                             analysis_rollout, num_tags, step)
+            if trainer.exit_after_gradient_analysis:
+                metrics["trainer/exited_after_gradient_analysis"] = 1.0
+                return actor, critic, _host_metrics(metrics, step_metrics)
+        if trainer.gradient_analysis_only:
+            metrics["actor/skipped_for_gradient_analysis_only"] = 1.0
+        else:
+            actor, actor_metrics = run_epochs(
+                learner.actor_step, actor, learner.actor_frozen, policy_batch,
+                _batch_sizes(config, "actor_rollout_ref.actor")[0], actor_cfg.ppo_epochs,
+                None if key is None else jax.random.fold_in(key, 0), rows_sharding)
+            step_metrics += actor_metrics
     timing["timing_s/update"] = time.perf_counter() - clock - timing["timing_s/old_log_prob"]
-    host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return actor, critic, _host_metrics(metrics, step_metrics) | timing
+
+
+def _host_metrics(metrics: dict, step_metrics: list[dict]) -> dict[str, Any]:
+    """``metrics`` and the steps' metrics (averaged; running counters at their last value) as floats; tables kept."""
+    tables = {k: v for k, v in metrics.items() if isinstance(v, Table)}
+    host = {k: float(v) for k, v in jax.device_get({k: v for k, v in metrics.items() if k not in tables}).items()}
     for name, values in _collect(jax.device_get(step_metrics)).items():
         host[name] = float(values[-1] if name.endswith(NON_FINITE_COUNTERS) else np.mean(values))
-    return actor, critic, {**host, **timing}
+    return host | tables

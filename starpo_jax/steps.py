@@ -210,22 +210,25 @@ def make_critic_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, c
                              critic.optim.lr if lr is None else lr, critic.loss_agg_mode)
 
 
-def make_log_prob_fn(graphdef: nnx.GraphDef, num_micro_batches: int, temperature: float = 1.0) -> Callable:
+def make_log_prob_fn(graphdef: nnx.GraphDef, num_micro_batches: int, temperature: float = 1.0,
+                     with_entropy: bool = False) -> Callable:
     """``fn(trainable, frozen, input_ids, attention_mask) -> log_probs [B, L − 1]``, micro-batched.
 
     Old log-probs are recomputed with the training parameters (starpo.md §9 step 4). Reference
     log-probs are the same pass with the LoRA adapters zeroed (the base model exactly)
-    or with a frozen copy of the initial parameters.
+    or with a frozen copy of the initial parameters. ``with_entropy``: ``(log_probs, entropies)``, the
+    per-token entropies from the same chunked vocabulary pass (RAGEN-2's entropy filters).
     """
     def fn(trainable, frozen, input_ids, attention_mask):
         model = nnx.merge(graphdef, trainable, frozen)
 
         def one(micro):
             ids, mask = micro
-            return model_token_log_probs(model, ids, mask, temperature)[0]
+            out = model_token_log_probs(model, ids, mask, temperature)
+            return out if with_entropy else out[0]
 
         out = jax.lax.map(one, micro_batches((input_ids, attention_mask), num_micro_batches))
-        return _merge_micro_batches(out)
+        return jax.tree.map(_merge_micro_batches, out)
 
     return fn
 

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -29,6 +29,7 @@ from runtime.metrics import MetricWriter
 from runtime.preemption import PreemptionHandler
 from runtime.run_folder import RunFolder
 from runtime.wandb_logger import WandbLogger
+from starpo_jax.analysis_rollout import analysis_config
 from starpo_jax.config import StarPOConfig
 from starpo_jax.config_keys import lora_targets
 from starpo_jax.collapse import CollapseDetector
@@ -42,6 +43,10 @@ from starpo_jax.rollout_drivers import make_player, rollout_settings
 from starpo_jax.sampler import SamplerConfig
 from starpo_jax.tokenizer import load_tokenizer, require_chat_template
 from starpo_jax.turn_samples import collapse_detection_applies
+
+
+# Folded into an iteration's sampling key for the gradient analysis's separate rollout.
+ANALYSIS_STREAM = 1
 
 
 def env_metrics(rows: list[dict[str, float]], tag_ids: np.ndarray, scores: np.ndarray, tags: Sequence[str],
@@ -93,6 +98,27 @@ def episode_env_metrics(rows: list[dict[str, float]], traj, tags: Sequence[str],
     return env_metrics(rows, np.asarray(traj.tag_ids)[first], np.asarray(traj.scores)[first], tags, prefix)
 
 
+def analysis_player(config: StarPOConfig, graphdef, model_config, sampler: SamplerConfig, tokenizer, settings,
+                    mesh: Mesh) -> Callable | None:
+    """The player of the gradient analysis's separate rollout (its ``es_manager.train`` shape, the training
+    sampler), or ``None`` without one (``starpo_jax.analysis_rollout``)."""
+    shaped = analysis_config(config) if config.trainer.gradient_analysis_mode else None
+    if shaped is None:
+        return None
+    return make_player(shaped, shaped.es_manager.train, graphdef, model_config, sampler, tokenizer, settings, mesh)
+
+
+def analysis_rollout(play: Callable | None, config: StarPOConfig, params, rng: jax.Array,
+                     step: int) -> Callable | None:
+    """``() -> Trajectory``: iteration ``step``'s separate analysis rollout with ``params`` (collapse metrics off),
+    on its own env seeds and sampling key; played only when the analysis runs."""
+    if play is None:
+        return None
+    groups = analysis_config(config).es_manager.train
+    return lambda: play(params, config.seed.train + step * groups.env_groups,
+                        jax.random.fold_in(jax.random.fold_in(rng, step), ANALYSIS_STREAM))[0]
+
+
 def lora_config(config: StarPOConfig) -> LoRAConfig | None:
     """``lora.rank`` / ``alpha`` / ``target_modules`` as the models' ``LoRAConfig``; ``None`` at rank 0."""
     if not config.lora.rank:
@@ -133,9 +159,11 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
         stop = (tokenizer.eos_token_id,)
         top_k = max(rollout_cfg.top_k, 0)
         settings = dataclasses.replace(rollout_settings(config), bucket=rollout_bucket)
-        train_play = make_player(config, config.es_manager.train, graphdef, policy.config, SamplerConfig(
-            rollout_cfg.response_length, rollout_cfg.temperature, rollout_cfg.top_p, top_k, stop_ids=stop,
-            pad_id=tokenizer.pad_token_id), tokenizer, settings, mesh)
+        train_sampler = SamplerConfig(rollout_cfg.response_length, rollout_cfg.temperature, rollout_cfg.top_p, top_k,
+                                      stop_ids=stop, pad_id=tokenizer.pad_token_id)
+        train_play = make_player(config, config.es_manager.train, graphdef, policy.config, train_sampler, tokenizer,
+                                 settings, mesh)
+        analysis_play = analysis_player(config, graphdef, policy.config, train_sampler, tokenizer, settings, mesh)
         val_play = make_player(config, config.es_manager.val, graphdef, policy.config, SamplerConfig(
             rollout_cfg.response_length, rollout_cfg.val_kwargs.temperature, rollout_cfg.top_p, top_k,
             greedy=not rollout_cfg.val_kwargs.do_sample, stop_ids=stop, pad_id=tokenizer.pad_token_id),
@@ -158,6 +186,8 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             save_rollouts(out / "rollouts" / f"val_step{step}.jsonl", tokenizer, traj, rows, val_tags)
             return episode_env_metrics(rows, traj, val_tags, "val")
 
+        exited: list[int] = []  # the step that ended the run with trainer.exit_after_gradient_analysis
+
         def iteration(states, step: int):
             actor, critic = states
             clock = time.perf_counter()
@@ -169,14 +199,17 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             # steps from 1 and leaves their time out of the step's (ragen2.md §3.3).
             collapse = {} if detector is None else detector(params, traj, step + 1)
             clock += sum(collapse.get(f"timing_s/collapse_{k}_step", 0.0) for k in ("first_turn", "multi_turn"))
-            actor, critic, metrics = update(actor, critic, learner, traj, config, len(train_tags), step)
+            actor, critic, metrics = update(actor, critic, learner, traj, config, len(train_tags), step,
+                                            analysis_rollout(analysis_play, config, params, actor.rng, step))
+            if metrics.get("trainer/exited_after_gradient_analysis"):  # RAGEN-2 returns here (ragen2.md §5.1)
+                exited.append(step + 1)
             metrics |= collapse | early_stop.observe_filter(
                 metrics["train/batch_size"] == 0,
                 metrics.get("rollout/in_group_reward_std", metrics.get("rollout/in_group_std")))
             metrics.update(episode_env_metrics(rows, traj, train_tags, "train"))
             metrics["train/success"] = float(np.mean([row["success"] for row in rows]))
             metrics.update({"timing_s/gen": generation, "timing_s/step": time.perf_counter() - clock})
-            if config.trainer.test_freq > 0 and (step + 1) % config.trainer.test_freq == 0:
+            if config.trainer.test_freq > 0 and (step + 1) % config.trainer.test_freq == 0 and not exited:
                 validation = validate(step + 1, actor)
                 metrics |= validation | early_stop.observe_validation(validation)
                 save_rollouts(out / "rollouts" / f"train_step{step + 1}.jsonl", tokenizer, traj, rows, train_tags)
@@ -195,6 +228,8 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
                 echo_trap.load_state_dict(loop["echo_trap"])
 
             def checkpoint(done: int, states) -> None:
+                if exited or (config.trainer.gradient_analysis_only and done in ckpt.steps()):  # a probe of a saved
+                    return  # step: its parameters did not change
                 loop_state = {"step": done, "echo_trap": echo_trap.state_dict(), **run.checkpoint_record}
                 ckpt.save(done, {"actor": states[0], "critic": states[1]}, loop_state)
 
@@ -204,12 +239,15 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
 
             if start == 0 and config.trainer.val_before_train:
                 writer.write(0, validate(0, restored["actor"]))
+            if config.trainer.gradient_analysis_only and start > 0:  # probe the checkpoint's own step (RAGEN-2)
+                start -= 1
             guard = NonFiniteGuard(config.trainer.max_consecutive_non_finite,
                                    keys=("actor/consecutive_non_finite", "critic/consecutive_non_finite"))
             (actor, _), last = resumable_loop(
                 iteration, (restored["actor"], restored["critic"]), start, total, checkpoint, writer=writer,
                 guard=guard, preemption=preemption, save_every=config.trainer.save_freq,
                 checkpoint_dir=ckpt.directory, description="StarPO", bar_keys=("train/success", "actor/pg_loss"),
-                on_row=warn_echo_trap, stop_after=lambda: early_stop.stopped)
-        save_pretrained(nnx.merge(graphdef, actor.params, frozen), out / "hf_model", tokenizer=tokenizer)
+                on_row=warn_echo_trap, stop_after=lambda: early_stop.stopped or bool(exited))
+        if not exited:
+            save_pretrained(nnx.merge(graphdef, actor.params, frozen), out / "hf_model", tokenizer=tokenizer)
     return last

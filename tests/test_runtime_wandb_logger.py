@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from runtime.metrics import MetricWriter
+from runtime.metrics import MetricWriter, Table
 from runtime.wandb_logger import WandbLogger, check_loggers
 from starpo_jax.presets import load_config
 
@@ -31,5 +31,7 @@ def test_offline_wandb_run_gets_the_written_rows(tmp_path, monkeypatch):
     logger = WandbLogger("starpo-test", "offline", {"lr": 1e-3}, tmp_path)
     with MetricWriter(tmp_path, tensorboard=False, wandb=logger) as writer:
         writer.write(1, {"train/success": 0.5})
+        table = Table(("bucket", "group_id", "reward_std"), [("all", 0, 0.5)])
+        writer.write(2, {"grad_norm/all/group_rv_table": table})
     assert config.trainer.logger == ("console", "wandb")
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))

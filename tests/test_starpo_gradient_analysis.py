@@ -8,8 +8,10 @@ import pytest
 from flax import nnx
 
 from runtime.mesh import MeshConfig, make_mesh
+from runtime.metrics import TABLES_FILE, MetricWriter, Table, read_jsonl
 from runtime.sharding import create_sharded
-from starpo_jax.gradient_analysis import bucket_groups, make_component_grad_norms
+from starpo_jax.analysis_rollout import analysis_config, scale_group_counts
+from starpo_jax.gradient_analysis import bucket_groups, group_rv_tables, make_component_grad_norms
 from starpo_jax.iteration import build_learner, update
 from starpo_jax.losses import actor_loss
 from starpo_jax.models.transformer import CausalLM
@@ -78,3 +80,49 @@ def test_update_logs_bucket_norms_before_the_actor_step():
     assert metrics["grad_norm/all/entropy"] > 0 and metrics["grad_norm/all/kl"] == 0.0
     with pytest.raises(ValueError, match="set trainer.gradient_analysis_mode=True"):
         load_config("starpo-s-ppo", ("trainer.gradient_analysis_every=10",))
+
+
+def test_largest_remainder_rescaling_of_the_tags_groups():
+    # 7 of (3, 5, 2): floors of 2.1, 3.5, 1.4 are 2, 3, 1; the one left goes to the largest fraction (0.5)
+    assert scale_group_counts((3, 5, 2), 7) == (2, 4, 1)
+    assert scale_group_counts((1, 3), 2) == (0, 2)  # equal fractions 0.5: the larger base count first
+    assert scale_group_counts((1, 1, 2), 2) == (1, 0, 1)  # equal fractions and counts: the earlier tag
+    assert scale_group_counts((8,), 128) == (128,)
+    shape = BASE + (V2_FILTER + "top_p", "es_manager.train.env_groups=6", "es_manager.train.env_configs.tags="
+                    "[SimpleSokoban,FrozenLake]", "es_manager.train.env_configs.n_groups=[4,2]",
+                    "trainer.gradient_analysis_mode=True")
+    assert analysis_config(load_config("starpo-s-grpo", shape)) is None
+    same = ("trainer.gradient_analysis_env_groups=6", "trainer.gradient_analysis_group_size=4")
+    assert analysis_config(load_config("starpo-s-grpo", shape + same)) is None  # the training shape, given
+    config = load_config("starpo-s-grpo", shape + ("trainer.gradient_analysis_env_groups=4",))
+    shaped = analysis_config(config)
+    assert (shaped.es_manager.train.env_groups, shaped.es_manager.train.group_size) == (4, 4)
+    assert shaped.es_manager.train.env_configs.n_groups == (3, 1)  # 4·4/6 = 2.67, 4·2/6 = 1.33: the 1 left to 2.67
+    assert shaped.es_manager.val == config.es_manager.val and shaped.trainer == config.trainer
+
+
+def test_group_rv_tables_list_each_buckets_groups():
+    group_ids = np.repeat([3, 0, 2, 1], 2)
+    reward_std = np.repeat([0.9, 0.1, 0.5, 0.3], 2)
+    tables = group_rv_tables(group_ids, reward_std, 2, "quantile", prefix="grad_norm_prefilter")
+    assert set(tables) == {f"grad_norm_prefilter/{b}/group_rv_table" for b in ("all", "bucket_1", "bucket_2")}
+    for name, table in tables.items():
+        bucket = name.split("/")[1]
+        assert table.columns == ("bucket", "group_id", "reward_std")
+        assert all(row[0] == bucket for row in table.rows)
+    # the groups sorted by id with their RV: 0 -> 0.1, 1 -> 0.3, 2 -> 0.5, 3 -> 0.9; bucket_1 holds the two lowest
+    rows = lambda b: [(g, pytest.approx(r)) for _, g, r in tables[f"grad_norm_prefilter/{b}/group_rv_table"].rows]
+    assert rows("bucket_1") == [(0, 0.1), (1, 0.3)] and rows("bucket_2") == [(2, 0.5), (3, 0.9)]
+    assert rows("all") == [(0, 0.1), (1, 0.3), (2, 0.5), (3, 0.9)]
+    buckets = bucket_groups(np.array([0.1, 0.3, 0.5, 0.9]), 2, "quantile")
+    assert [[g for g, _ in rows(b)] for b in buckets] == [v.tolist() for v in buckets.values()]
+
+
+def test_tables_go_to_their_own_jsonl_and_leave_the_scalar_rows_alone(tmp_path):
+    table = Table(("bucket", "group_id", "reward_std"), [("all", 0, 0.5)])
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        assert writer.write(3, {"a": 1.0, "grad_norm/all/group_rv_table": table}) == {"a": 1.0}
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 3, "a": 1.0}]
+    assert read_jsonl(tmp_path / TABLES_FILE) == [{"step": 3, "key": "grad_norm/all/group_rv_table",
+                                                   "columns": ["bucket", "group_id", "reward_std"],
+                                                   "rows": [["all", 0, 0.5]]}]

@@ -12,7 +12,7 @@ process on the same weights:
   ``env_groups × group_size`` trajectories, the bulk of a training step;
 
 and prints the FLOPs of both families and of the gradient pass at Qwen2.5-3B size from XLA's cost analysis
-of the lowered programs (nothing is allocated). Run: ``python bench/bench_collapse.py`` (``--help``).
+of the lowered programs (nothing is allocated). Run: ``python -m bench.bench_collapse`` (``--help``).
 """
 
 from __future__ import annotations

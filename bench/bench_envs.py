@@ -1,6 +1,6 @@
 """Steps per second of our jitted environments against the Python ones RAGEN steps one by one.
 
-    python bench/bench_envs.py [--batches 1 64 1024 8192] [--steps 100] [--peer-steps 2000]
+    python -m bench.bench_envs [--batches 1 64 1024 8192] [--steps 100] [--peer-steps 2000]
 
 Prints, per batch size, our Sokoban vs gym-sokoban's ``SokobanEnv`` (RAGEN's base), our FrozenLake
 vs gymnasium's, and Sokoban level generation vs gym-sokoban's ``reset``, with ours/peer ratios.

@@ -1,6 +1,6 @@
 """RAGEN-2's environments: steps/s of ours (jitted, vmapped) vs plain Python/NumPy peers, and fused vs host rollouts.
 
-    PYTHONPATH=. python bench/bench_envs_v2.py [--batches 1 1024 8192] [--steps 100] [--peer-steps 2000]
+    python -m bench.bench_envs_v2 [--batches 1 1024 8192] [--steps 100] [--peer-steps 2000]
         [--rows 8] [--max-turn 3] [--new-tokens 16]
 
 Part 1: steps/s of 2048, the 2x2 cube and Sudoku 9x9 (random actions, episodes not reset) against the

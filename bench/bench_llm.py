@@ -3,7 +3,7 @@
 Generation: our compiled sampler vs ``model.generate`` (greedy, fixed number of new
 tokens), tokens/s at several batch sizes. Training: forward + backward of the mean
 token log-likelihood, tokens/s. Prints ours/peer ratios (> 1 means we are faster)
-and our compile times. Run: ``python bench/bench_llm.py`` (``--help`` for sizes).
+and our compile times. Run: ``python -m bench.bench_llm`` (``--help`` for sizes).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ means the fused driver is faster). Both train on the sampled ids (the fused driv
 host driver is also timed in its default mode, RAGEN's re-rendered cleaned turns ("host RAGEN"),
 which reuses the KV cache for the common token prefix of consecutive prompts. Then one StarPO-S iteration (``starpo_jax.iteration.update``)
 on the fused rollout: rollout / old log-probs / update seconds. Compile time is excluded
-(one warm-up call per driver). Run: ``python bench/bench_rollout.py`` (``--help`` for sizes).
+(one warm-up call per driver). Run: ``python -m bench.bench_rollout`` (``--help`` for sizes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sokoban level difficulty: our generators against the reference's, on the same number of levels.
 
-    python bench/bench_sokoban_levels.py [--num-levels 2000] [--tags SimpleSokoban LargerSokoban]
+    python -m bench.bench_sokoban_levels [--num-levels 2000] [--tags SimpleSokoban LargerSokoban]
                                          [--ragen-utils PATH/TO/ragen/env/sokoban/utils.py]
 
 Per tag it draws levels from the environment (``generator=reverse_play``, the default, and the

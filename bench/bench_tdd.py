@@ -1,6 +1,6 @@
 """One TDD distillation step, ours (JAX, jit) vs the same step in PyTorch with diffusers + peft, CPU.
 
-    python bench/bench_tdd.py [--batch 2] [--size 32] [--rank 8] [--repeats 5] [--threads N]
+    python -m bench.bench_tdd [--batch 2] [--size 32] [--rank 8] [--repeats 5] [--threads N]
 
 Both sides run the same tiny SD1.5-like UNet with the same random weights and the same LoRA
 (ours: ``tdd_jax.models.lora``; theirs: our adapters exported with ``export_peft`` and loaded by

@@ -1,6 +1,6 @@
 """UNet forward and forward+backward time, ours (JAX, jit) vs diffusers (PyTorch), same weights, CPU.
 
-    python bench/bench_unet.py [--batch 2] [--size 32] [--repeats 5] [--threads N]
+    python -m bench.bench_unet [--batch 2] [--size 32] [--repeats 5] [--threads N]
 
 Prints the fastest of ``--repeats`` calls of each side, timed in turns, the ratios ours / diffusers
 (below 1 means ours is faster) and our compile times. Both sides run the same SD1.5-shaped config at

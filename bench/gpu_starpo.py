@@ -1,7 +1,7 @@
 """One StarPO-S iteration on Qwen2.5-0.5B-sized random weights: generated tokens/s, training tokens/s, MFU.
 
-    python bench/gpu_starpo.py            # one GPU (H200: a few minutes, mostly compilation)
-    python bench/gpu_starpo.py --tiny     # CPU smoke run of the same code path
+    python -m bench.gpu_starpo            # one GPU (H200: a few minutes, mostly compilation)
+    python -m bench.gpu_starpo --tiny     # CPU smoke run of the same code path
 
 Rollout: ``env_groups × group_size`` random prompts decoded by the compiled sampler for
 ``response_length`` tokens (no stop token, so every row generates the full length).

@@ -1,8 +1,8 @@
 """GPU check: one SD1.5-shaped TDD distillation step (random weights, LoRA rank 64, bf16) on one device.
 
-    python bench/gpu_tdd.py [--batch 16] [--steps 10] [--peak-tflops 989.5] [--remat]
-    python bench/gpu_tdd.py --tiny          # CPU smoke run of the same code on a reduced config
-    JAX_PLATFORMS=cpu python bench/gpu_tdd.py --count-only   # traced FLOPs/step only (no compile, no step)
+    python -m bench.gpu_tdd [--batch 16] [--steps 10] [--peak-tflops 989.5] [--remat]
+    python -m bench.gpu_tdd --tiny          # CPU smoke run of the same code on a reduced config
+    JAX_PLATFORMS=cpu python -m bench.gpu_tdd --count-only   # traced FLOPs/step only (no compile, no step)
 
 The UNet has SD1.5's real config (block_out_channels 320/640/1280/1280, cross-attention dim 768,
 8 heads, 64×64 latents = 512×512 images) and random weights drawn on the host; LoRA rank 64,

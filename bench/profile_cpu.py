@@ -1,8 +1,8 @@
 """Where the time goes in our CPU programs: XLA ops ranked by time per call (``jax.profiler`` trace).
 
-    python bench/profile_cpu.py unet-grad [--threads 1] [--top 25]    # bench_unet's forward + backward
-    python bench/profile_cpu.py unet-forward
-    python bench/profile_cpu.py llm-step                              # bench_llm's forward + backward
+    python -m bench.profile_cpu unet-grad [--threads 1] [--top 25]    # bench_unet's forward + backward
+    python -m bench.profile_cpu unet-forward
+    python -m bench.profile_cpu llm-step                              # bench_llm's forward + backward
 
 Compiles the program, traces ``--calls`` calls, and prints each XLA thunk's time per call (ops inside a
 ``while`` loop are counted in the loop and again on their own) with its result shape and the JAX

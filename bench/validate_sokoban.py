@@ -1,6 +1,6 @@
 """Checks that generated Sokoban levels are solvable: generate N per size, solve each with BFS.
 
-    python bench/validate_sokoban.py [--num-levels 10000] [--chunk 1000] [--tags SimpleSokoban LargerSokoban]
+    python -m bench.validate_sokoban [--num-levels 10000] [--chunk 1000] [--tags SimpleSokoban LargerSokoban]
 
 Reports, per tag, how many levels the BFS solver solves, how many used the fixed fallback room
 (every try scored 0) and the distribution of shortest solution lengths.

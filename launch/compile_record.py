@@ -74,10 +74,12 @@ def cell(item: dict) -> str:
 
 
 def grid(entries: list[dict]) -> str:
-    """Markdown: one row per subject, one column per topology, the latest entry of each cell."""
+    """Markdown: one row per subject, one column per topology; in each cell the latest entry with costs
+    (FLOPs of every program), else the latest HBM-only one."""
     topologies = list(dict.fromkeys(item["topology"] for item in entries))
     subjects = list(dict.fromkeys(item["subject"] for item in entries))
-    cells = {(item["subject"], item["topology"]): cell(item) for item in entries}
+    ordered = sorted(entries, key=lambda item: all(row["flops"] for row in item["rows"]))  # stable: costed last
+    cells = {(item["subject"], item["topology"]): cell(item) for item in ordered}
     lines = ["| | " + " | ".join(topologies) + " |", "|---" * (len(topologies) + 1) + "|"]
     lines += [f"| {subject} | " + " | ".join(cells.get((subject, t), "not measured") for t in topologies) + " |"
               for subject in subjects]

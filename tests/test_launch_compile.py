@@ -192,4 +192,11 @@ def test_recorded_results_make_the_readme_grid(v5e, tmp_path):
     # 2 runs of 1 s at the roofline (compute-bound: MFU bound 100 %); peak 4 GB of 16 (25 %)
     assert "| StarPO, 0.5B | **fits**: resident 1.00, peak 4.00 GB (actor step, 25 %); iteration 2.0 s at the " \
            "roofline, MFU bound 100 %; 7 s |" in table
+    # an HBM-only run of the same cell, recorded later, does not hide the costed one; alone, it says so
+    hbm_only = [dataclasses.replace(row, flops=0.0, bytes_accessed=0.0) for row in rows]
+    record(path, entry(["starpo", "--model", "Qwen2.5-0.5B", "--no-costs"], "StarPO, 0.5B", hbm_only, 1e9, tpu, 3.0, 1))
+    record(path, entry(["starpo", "--model", "Qwen2.5-3B", "--no-costs"], "StarPO, 3B", hbm_only, 1e9, tpu, 5.0, 1))
+    table = grid(json.loads(path.read_text()))
+    assert "MFU bound 100 %; 7 s |" in table and "25 %); no cost (HBM only); 3 s" not in table
+    assert "| StarPO, 3B | **fits**: resident 1.00, peak 4.00 GB (actor step, 25 %); no cost (HBM only); 5 s |" in table
 

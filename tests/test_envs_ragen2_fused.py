@@ -117,6 +117,7 @@ def test_the_16x16_sudoku_renderer_gives_the_tokenizer_encoding(setup):
     assert "| " in text and ("[16]" in text or " 16 " in text) and "[1]" in text
 
 
+@pytest.mark.parametrize("observation_format", ["grid_coord", "coord"])
 def test_two_box_coord_sokoban_renders_its_coordinate_lists_on_device(setup, observation_format):
     """Multi-box coordinate lines (``Boxes: (1, 2), (3, 4)``): the tables are checked on rooms with boxes and the
     player on and off targets when built, and a generated level's tokens are its text's encoding."""

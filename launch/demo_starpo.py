@@ -163,7 +163,8 @@ def tokenizer_corpus(slots: Sequence) -> list[str]:
     """The demonstrations' chat text with grid states blanked (grids stay at character level)."""
     texts = []
     for slot in slots:
-        history = [dataclasses.replace(t, state="") if slot.env.grid_vocab and t.state else t for t in slot.history]
+        grid = slot.env.grid_vocab and getattr(slot.env.env, "observation_format", "grid") != "coord"
+        history = [dataclasses.replace(t, state="") if grid and t.state else t for t in slot.history]
         texts.append("".join(m["content"] for m in render_chat(slot.prefix, history, max_tokens=slot.env.max_tokens)))
     return texts
 

@@ -66,7 +66,8 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
                 custom_envs: Mapping[str, envs.EnvEntry] | None = None) -> list[Slot]:
     """Plays one demonstration per seed; each slot ends done or after ``max_turn`` turns.
 
-    The environment is ``envs.make(tag, custom_envs)``, so any tag of a Bandit or FrozenLake type works.
+    The environment is ``envs.make(tag, custom_envs)``, so any tag of a Bandit or FrozenLake type (or subclass,
+    e.g. RAGEN-2's ``CoordFrozenLake``) works.
 
     With ``guess`` > 0 a turn is, with that probability, a guess: the thought says so
     (``I guess.``) and the actions are drawn uniformly. A policy imitating both plays both ways,
@@ -75,10 +76,10 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
     if not 0.0 <= guess <= 1.0:
         raise ValueError(f"guess must be in [0, 1] (the probability that a turn is a guess), got {guess}")
     env = envs.make(tag, custom_envs)
-    if type(env) not in DEMONSTRATORS:
+    policy = next((DEMONSTRATORS[kind] for kind in type(env).__mro__ if kind in DEMONSTRATORS), None)
+    if policy is None:
         raise ValueError(f"no demonstrator for environment tag {tag!r} ({type(env).__name__}); there are "
-                         f"demonstrators for {[t.__name__ for t in DEMONSTRATORS]}")
-    policy = DEMONSTRATORS[type(env)]
+                         f"demonstrators for {[t.__name__ for t in DEMONSTRATORS]} and their subclasses")
     rng = np.random.default_rng(0) if rng is None else rng
     slots = []
     for group, seed in enumerate(seeds):

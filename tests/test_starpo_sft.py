@@ -6,7 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from envs.registry import CUSTOM_ENVS
 from envs.text import parse_response
+from runtime.config import split_section
+from launch.demo_starpo import tokenizer_corpus
+from starpo_jax.custom_envs import SECTION, apply_overrides
 from starpo_jax.demonstrations import GUESS_THOUGHT, demonstrate
 from starpo_jax.plots import ema, env_tags, plot_echo_trap, series
 from starpo_jax.sft import SFTBatch, epoch_batches, sft_loss
@@ -39,6 +43,30 @@ def test_frozen_lake_demonstrations_name_the_way_to_the_goal_and_head_there_each
                                          f"<answer>{words[0].title()} || {words[0].title()}</answer>")
             turns += 1
     assert turns > 12
+
+
+def test_coordinate_frozen_lake_demonstrations_head_for_the_goal_and_keep_their_states_in_the_tokenizer_corpus():
+    """A subclass of FrozenLake (RAGEN-2's CoordFrozenLake, here under a tag of the user's) gets its demonstrator;
+    coordinate-only states are text the tokenizer may learn, grid states stay out of its corpus."""
+    keys = ["custom_envs.CoordLake.env_type=coord_frozen_lake", "custom_envs.CoordLake.env_config.success_rate=1"]
+    coord, grid_coord = (apply_overrides(CUSTOM_ENVS, split_section(
+        keys + [f"custom_envs.CoordLake.env_config.observation_format={fmt}"], SECTION)[0])
+        for fmt in ("coord", "grid_coord"))
+    turns = 0
+    slots = demonstrate("CoordLake", range(12), max_turn=3, actions_per_turn=1, custom_envs=coord)
+    for slot in slots:
+        for turn in slot.history[:len(slot.turn_infos)]:
+            lines = dict(line.split(": ", 1) for line in turn.state.split("\n")[1:])
+            (player_row, player_col), (goal_row, goal_col) = (map(int, lines[k].strip("()").split(", "))
+                                                              for k in ("Player", "Goal"))
+            words = [w for w, on in (("down", goal_row > player_row), ("up", goal_row < player_row),
+                                     ("right", goal_col > player_col), ("left", goal_col < player_col)) if on]
+            assert turn.llm_response == f"<think>The goal is {words[0]}.</think><answer>{words[0].title()}</answer>"
+            turns += 1
+    assert turns > 12
+    assert slots[0].history[0].state in tokenizer_corpus(slots[:1])[0]
+    with_grid = demonstrate("CoordLake", [0], max_turn=1, actions_per_turn=1, custom_envs=grid_coord)
+    assert "Grid Map" in with_grid[0].history[0].state and "Grid Map" not in tokenizer_corpus(with_grid)[0]
 
 
 def test_guessed_turns_say_so_and_draw_their_actions_uniformly():

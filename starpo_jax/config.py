@@ -280,10 +280,12 @@ class StarPOConfig:
     mask_alignment: Literal["reference", "standard"] = "reference"
     train_on_sampled_ids: bool | None = None  # None: True for agent_proxy.rollout_driver=fused (``resolve``)
     grpo_advantage_length_weight: bool = False
-    # Policy and critic: compute dtype (parameters and optimizer states stay float32), per-layer
-    # rematerialisation in the backward pass (verl's enable_gradient_checkpointing) and queries per
-    # attention block (0: all at once; ``starpo_jax.models.transformer.attend``).
+    # Policy and critic: compute dtype (parameters and optimizer states stay float32), storage dtype of
+    # the frozen base weights (bfloat16 only with LoRA: adapters, value head and optimizer states stay
+    # float32), per-layer rematerialisation in the backward pass (verl's enable_gradient_checkpointing)
+    # and queries per attention block (0: all at once; ``starpo_jax.models.transformer.attend``).
     dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
     attention_chunk: int = 0
     seed: SeedConfig = SeedConfig()

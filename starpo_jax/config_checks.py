@@ -278,6 +278,9 @@ def validate(config: StarPOConfig) -> StarPOConfig:
         lora_targets(config.lora)
     changed = [f"lora.{k}" for k in ("alpha", "target_modules") if getattr(config.lora, k) != getattr(LoraConfig(), k)]
     _require(config.lora.rank > 0 or not changed, f"{', '.join(changed)} shape(s) LoRA adapters: set lora.rank > 0")
+    _require(config.lora.rank > 0 or config.param_dtype == "float32",
+             f"param_dtype={config.param_dtype} stores the frozen base weights of a LoRA run; full fine-tuning "
+             f"trains float32 weights: set lora.rank > 0 or param_dtype=float32")
     warmup = config.trainer.critic_warmup
     _require(warmup >= 0, f"trainer.critic_warmup must be >= 0, got {warmup}")
     _validate_env_groups(config.es_manager.train, "es_manager.train")

@@ -148,7 +148,8 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
     rollout_cfg = config.actor_rollout_ref.rollout
     train_tags = config.es_manager.train.env_configs.tags
     with jax.set_mesh(mesh):
-        numerics = dict(dtype=config.dtype, remat=config.remat, attention_chunk=config.attention_chunk)
+        numerics = dict(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat,
+                        attention_chunk=config.attention_chunk)
         policy = load_pretrained(config.model_path, mesh, lora=lora, seed=config.seed.train, **numerics)
         critic_model = None
         if config.use_critic:

@@ -115,6 +115,12 @@ def test_lora_target_modules_parse_and_bad_names_fail_naming_the_key():
         load_config("starpo-s-ppo", ["lora.target_modules=[q_proj]"])
 
 
+def test_bfloat16_base_weights_need_lora():
+    assert load_config("starpo-s-ppo-lora", ["param_dtype=bfloat16"]).param_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="param_dtype=bfloat16 stores the frozen base weights of a LoRA run"):
+        load_config("starpo-s-ppo", ["param_dtype=bfloat16"])
+
+
 @pytest.mark.parametrize("override,match", [
     ("actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "optim.min_lr_ratio shapes the cosine decay"),
     ("critic.optim.lr_warmup_steps_ratio=1.5", r"critic\.optim\.lr_warmup_steps_ratio must be in \[0, 1\]"),

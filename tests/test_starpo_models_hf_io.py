@@ -66,6 +66,12 @@ def test_bfloat16_checkpoint_loads_bit_exact(tmp_path, mesh):
     assert q.dtype == ml_dtypes.bfloat16
     expected = reference.model.layers[0].self_attn.q_proj.weight.detach().float().numpy().T.reshape(32, 4, 8)
     np.testing.assert_array_equal(q[0].astype(np.float32), expected)
+    with jax.set_mesh(mesh):  # LoRA on bfloat16 base weights: what trains (adapters, value head) stays float32
+        critic = load_pretrained(tmp_path, mesh, critic=True, lora=LORA, param_dtype="bfloat16")
+    _, trained, base = nnx.split(critic, nnx.LoRAParam, ...)
+    assert {x.dtype for x in jax.tree.leaves(trained)} == {np.dtype(np.float32)}
+    assert critic.score.kernel.get_value().dtype == np.float32
+    assert critic.model.layers.self_attn.q_proj.kernel.get_value().dtype == ml_dtypes.bfloat16
 
 
 @pytest.fixture(scope="module")

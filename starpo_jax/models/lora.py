@@ -17,6 +17,8 @@ from flax import nnx
 
 from runtime import cpu_matmul
 
+# Adapters train, so they stay float32 whatever the base weights' storage dtype (``param_dtype``).
+ADAPTER_DTYPE = jnp.float32
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -63,9 +65,9 @@ class Dense(nnx.Module):
         self.lora_scale = lora.scale if lora is not None else 0.0
         if lora is not None:
             self.lora_a = nnx.LoRAParam(nnx.with_partitioning(init, (*in_axes, "lora_rank"))(
-                rngs.params(), self.in_shape + (lora.rank,), param_dtype))
+                rngs.params(), self.in_shape + (lora.rank,), ADAPTER_DTYPE))
             self.lora_b = nnx.LoRAParam(nnx.with_partitioning(nnx.initializers.zeros_init(), ("lora_rank", *out_axes))(
-                rngs.params(), (lora.rank,) + self.out_shape, param_dtype))
+                rngs.params(), (lora.rank,) + self.out_shape, ADAPTER_DTYPE))
         else:
             self.lora_a = self.lora_b = None
 

@@ -251,7 +251,7 @@ class Critic(nnx.Module):
         self.config = config
         self.model = Decoder(config, lora, rngs)
         self.score = Dense((config.hidden_size,), (1,), ("embed",), ("value",), use_bias=True,
-                           param_dtype=config.weight_dtype, dtype=jnp.float32, rngs=rngs)
+                           param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)  # trained: float32 storage
 
     def __call__(self, tokens: jax.Array, mask: jax.Array, cache: KVCache | None = None):
         """Values ``[B, T]`` (float32): the value at token j is used for position j."""

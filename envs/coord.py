@@ -1,7 +1,8 @@
 """RAGEN-2's coordinate observations: ``CoordSokoban`` and ``CoordFrozenLake`` (ragen2.md §7.1, §7.2).
 
 ``observation_format`` is ``grid`` (V1), ``coord`` (the coordinates block alone) or ``grid_coord``
-(``"Coordinates: \\n" + block + "\\nGrid Map: \\n" + grid``). FrozenLake also takes RAGEN-2's ``success_rate``.
+(``"Coordinates: \\n" + block + "\\nGrid Map: \\n" + grid``). FrozenLake also takes RAGEN-2's ``success_rate``
+and, an addition of ours, ``goal_offset``: a last coordinate line ``Goal from player: 2 down, 1 left``.
 On the fused driver, Sokoban (any number of boxes) and FrozenLake render every format (coordinate lines as token
 slots). FrozenLake's observation codes hide the start tile (it
 shows as ``_``), so its coordinate formats add code 6 (``START_CODE``, drawn ``_``) for an unoccupied start.
@@ -53,6 +54,14 @@ def coordinate_block(shape, groups) -> str:
         if len(cells):
             lines.append(f"{label}: " + ", ".join(f"({r}, {c})" for r, c in cells))
     return "\n".join(lines)
+
+
+def goal_offset_line(player: tuple[int, int], goal: tuple[int, int]) -> str:
+    """``Goal from player: 2 down, 1 left`` (rows first; a zero part left out; ``here`` on the goal)."""
+    (row, col), (goal_row, goal_col) = player, goal
+    parts = ([f"{abs(goal_row - row)} {'down' if goal_row > row else 'up'}"] if goal_row != row else []) + \
+            ([f"{abs(goal_col - col)} {'right' if goal_col > col else 'left'}"] if goal_col != col else [])
+    return "Goal from player: " + (", ".join(parts) or "here")
 
 
 def compose(observation_format: str, block: str, grid: str) -> str:
@@ -159,7 +168,9 @@ class CoordSokoban(Sokoban):
 class CoordFrozenLake(FrozenLake):
     """RAGEN-2's FrozenLake: ``p`` 0.9, gymnasium's ``success_rate`` slip law and the coordinate formats.
 
-    The defaults are the ``CoordFrozenLake`` tag's.
+    The defaults are the ``CoordFrozenLake`` tag's. ``goal_offset`` (ours, off by default) ends the coordinate block
+    with the goal's offset from the player (``goal_offset_line``): where the goal lies becomes a line to read rather
+    than two coordinates to compare (the embedded demo's FrozenLake stage, ``launch.demo_starpo``).
     """
 
     tag = "CoordFrozenLake"
@@ -167,13 +178,17 @@ class CoordFrozenLake(FrozenLake):
     max_tokens = 120
 
     def __init__(self, size: int = 4, p: float = 0.9, is_slippery: bool = True, success_rate: float = 0.8,
-                 observation_format: str = "grid_coord"):
+                 observation_format: str = "grid_coord", goal_offset: bool = False):
         super().__init__(size, p, is_slippery)
         if not 0.0 <= success_rate <= 1.0:
             raise ValueError(f"success_rate must be a probability in [0, 1], got {success_rate!r}")
         self.params = FrozenLakeParams(p=self.params.p, is_slippery=self.params.is_slippery,
                                        success_rate=float(success_rate))
         self.observation_format = _check_format(observation_format)
+        if goal_offset and self.observation_format == "grid":
+            raise ValueError("goal_offset=True adds a coordinate line: it needs observation_format 'coord' or "
+                             "'grid_coord', got 'grid'")
+        self.goal_offset = bool(goal_offset)
         if self.observation_format != "grid":
             self.grid_lookup = {**GRID_LOOKUP, START_CODE: "_"}
 
@@ -196,12 +211,16 @@ class CoordFrozenLake(FrozenLake):
         player = np.isin(obs, (0, 4, 5))
         start = obs == START_CODE if (obs == START_CODE).any() else player
         label = PLAYER_LABELS[(0, 4, 5).index(int(obs[player][0]))]
-        block = coordinate_block(obs.shape, [("Start", start), ("Goal", np.isin(obs, (3, 5))), (label, player),
+        goal = np.isin(obs, (3, 5))
+        block = coordinate_block(obs.shape, [("Start", start), ("Goal", goal), (label, player),
                                              ("Holes", np.isin(obs, (2, 4)))])
+        if self.goal_offset:
+            block += "\n" + goal_offset_line(tuple(np.argwhere(player)[0]), tuple(np.argwhere(goal)[0]))
         return compose(self.observation_format, block, render_grid(obs, self.grid_lookup))
 
     def state_renderer(self, tokenizer, params, max_actions_per_traj: int, num_checks: int = 64):
-        """The grid format's row tables, or the coordinate lines as slots (one per hole cell), then the grid rows."""
+        """The grid format's row tables, or the coordinate lines as slots (one per hole cell, then the goal offset),
+        then the grid rows."""
         if self.observation_format == "grid":
             return build_grid_renderer(self, tokenizer)
         size = self.size
@@ -211,6 +230,9 @@ class CoordFrozenLake(FrozenLake):
         slots = [[f"{head}Start: ({r}, {c})\n" for r, c in cells], [f"Goal: ({r}, {c})\n" for r, c in cells],
                  [f"{label}: ({r}, {c})\n" for label in PLAYER_LABELS for r, c in cells], ["", "Holes:"]]
         slots += [["", f" ({r}, {c}),", f" ({r}, {c})\n"] for r, c in cells]  # a hole, then the last hole
+        span = range(1 - size, size)
+        if self.goal_offset:
+            slots += [[goal_offset_line((0, 0), (dr, dc)) + "\n" for dr in span for dc in span]]
         symbols = [self.grid_lookup[code] for code in range(len(self.grid_lookup))]
         if grid:
             slots += [["Grid Map: \n"]] + [_row_texts(symbols, size, False)] * size  # one table for every row
@@ -227,7 +249,9 @@ class CoordFrozenLake(FrozenLake):
             items = holes * jnp.where(later == 0, 2, 1)
             head = jnp.stack([start, goal, label * len(cells) + player, jnp.any(holes > 0).astype(jnp.int32)])
             rows = jnp.sum(obs.astype(jnp.int32) * radix, axis=1) if grid else jnp.zeros(0, jnp.int32)
-            return jnp.concatenate([head, items, jnp.zeros(int(grid), jnp.int32), rows])
+            offset = (goal // size - player // size + size - 1) * len(span) + goal % size - player % size + size - 1
+            offset = offset[None] if self.goal_offset else jnp.zeros(0, jnp.int32)
+            return jnp.concatenate([head, items, offset, jnp.zeros(int(grid), jnp.int32), rows])
 
         return build_piece_renderer(self, tokenizer, slots, index_of, self._sample_obs(num_checks), self.text_of_obs)
 

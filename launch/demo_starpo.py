@@ -1,19 +1,19 @@
 """The embedded StarPO demo: ``python -m launch.starpo`` with no model, nothing downloaded.
 
-1. Tokenizer: a byte-level BPE trained on RAGEN's text of Bandit and FrozenLake
-   (instructions, turn boilerplate, responses; grid states are left out, so grids
-   stay at character level), loaded back through ``transformers``.
+1. Tokenizer: a byte-level BPE trained on RAGEN's text of Bandit and CoordFrozenLake
+   (instructions, turn boilerplate, responses, coordinate states), loaded back through ``transformers``.
 2. Model: a small random Qwen2-architecture policy, saved as a Hugging Face folder.
-3. Supervised warm-up on demonstrations (``starpo_jax.demonstrations``): FrozenLake
-   turns either name the goal's direction and head there or guess, about equally often,
-   after map-reading drills; Bandit shows each prompt with both arms. So the policy
-   learns the format and starts near chance on both.
+3. Supervised warm-up on demonstrations (``starpo_jax.demonstrations``): CoordFrozenLake
+   turns either head for the goal (``I head for the goal.``, the move read from the state) or guess,
+   about equally often, after state-reading drills; Bandit shows each prompt with both arms. So the
+   policy learns the format and starts near chance on both.
 4. StarPO-S (GRPO variant, ``DEMO_PRESET``), one stage per environment, each
    ``starpo_jax.trainer.train`` from the SFT model; validation on held-out seeds before the
    first and after the last iteration.
    ``custom_envs.*`` overrides configure the environments of the demonstrations and of
-   every stage; the demo's FrozenLake has no slip unless
-   ``custom_envs.FrozenLake.env_config.is_slippery=true``.
+   every stage; the demo's lake is RAGEN-2's ``CoordFrozenLake`` without slip (``success_rate=1``, as its
+   ``_3_frozen_lake.yaml``), the coordinate block alone, ending with our goal-offset line
+   (``envs.coord.goal_offset_line``); ``custom_envs.CoordFrozenLake.env_config.success_rate=0.8`` restores the slip.
 5. PNG plots (the Echo Trap panel per stage, the SFT curve) and ``summary.json``.
 
 Outputs under ``--out``: ``tokenizer/``, ``init/``, ``sft/`` (HF folders),
@@ -55,8 +55,13 @@ from starpo_jax.trajectory import render_chat
 # Demonstrations use seeds far from RAGEN's train (10000 + …) and validation (123 + …) seeds.
 DEMO_SEED = 1_000_000
 # StarPO-S with GRPO: the paper finds GRPO steadier than PPO on FrozenLake, where the critic struggles
-# with sparse reward (App. F); on the demo's FrozenLake PPO gained 3.5 points, GRPO 16.8 (README).
+# with sparse reward (App. F); on the demo's earlier grid FrozenLake PPO gained 3.5 points, GRPO 16.8.
 DEMO_PRESET = "starpo-s-grpo"
+# The lake's turns that do not guess: the move is read from the goal-offset line, not from a word of the thought.
+HEADING_THOUGHT = "I head for the goal."
+LAKE_KEYS = ("custom_envs.CoordFrozenLake.env_type=coord_frozen_lake",
+             *(f"custom_envs.CoordFrozenLake.env_config.{key}" for key in
+               ("success_rate=1", "observation_format=coord", "goal_offset=true")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,7 @@ class Demos:
     ``instruction``: whether the first user message holds the environment's instruction, legend
     and action list; without it a demonstration is its turns alone (a map-reading drill, less
     than half as long as a 1-turn FrozenLake demonstration with it).
+    ``thought``: the thought of the turns that are not guesses, instead of the demonstrator's own.
     """
 
     tag: str
@@ -86,6 +92,7 @@ class Demos:
     per_seed: int
     max_turn: int
     instruction: bool = True
+    thought: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +105,16 @@ class DemoConfig:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 4
-    # Bandit shows each prompt with both arms; FrozenLake: map-reading drills (1 turn, no instruction)
+    # Bandit shows each prompt with both arms; CoordFrozenLake: state-reading drills (1 turn, no instruction)
     # and whole episodes of up to 3 turns where half the turns are guesses.
-    demos: tuple[Demos, ...] = (Demos("Bandit", 512, 0.0, 2, 1), Demos("FrozenLake", 10000, 0.0, 1, 1, False),
-                                 Demos("FrozenLake", 1000, 0.5, 1, 3))
-    # RAGEN ``custom_envs.*`` keys of the demo, before the user's: RAGEN's FrozenLake without slip.
-    custom_envs: tuple[str, ...] = ("custom_envs.FrozenLake.env_config.is_slippery=false",)
+    demos: tuple[Demos, ...] = (Demos("Bandit", 512, 0.0, 2, 1),
+                                 Demos("CoordFrozenLake", 10000, 0.0, 1, 1, False, HEADING_THOUGHT),
+                                 Demos("CoordFrozenLake", 1000, 0.5, 1, 3, thought=HEADING_THOUGHT))
+    # RAGEN ``custom_envs.*`` keys of the demo, before the user's: RAGEN-2's deterministic CoordFrozenLake
+    # (``_3_frozen_lake.yaml``), the coordinate block alone, ending with the goal's offset from the player.
+    custom_envs: tuple[str, ...] = LAKE_KEYS
     actions_per_turn: int = 1
-    sft_steps: int = 900
+    sft_steps: int = 600
     sft_batch_size: int = 16
     sft_lr: float = 3e-3
     # ``nnx.Rngs`` seed of the random policy (``--seeds`` varies it).
@@ -118,9 +127,9 @@ class DemoConfig:
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=16",
             "micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
             "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3")),
-        Stage("FrozenLake", 5, 24, 1024, (
+        Stage("CoordFrozenLake", 5, 16, 1024, (
             "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
-            "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=8",
+            "trainer.total_training_steps=6", "trainer.test_freq=6", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
             "agent_proxy.max_actions_per_turn=1", "agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True",
             "actor_rollout_ref.actor.optim.lr=5e-4", "critic.optim.lr=1e-3")),
@@ -132,10 +141,11 @@ class DemoConfig:
         small = ("es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.val.env_groups=2",
                  "trainer.total_training_steps=1", "trainer.test_freq=1", "ppo_mini_batch_size=2",
                  "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=1")
-        demos = (Demos("Bandit", 4, 0.0, 2, 1), Demos("FrozenLake", 4, 1.0, 1, 1, False), Demos("FrozenLake", 4, 1.0, 1, 2))
+        demos = (Demos("Bandit", 4, 0.0, 2, 1), Demos("CoordFrozenLake", 4, 0.5, 1, 1, False, HEADING_THOUGHT),
+                 Demos("CoordFrozenLake", 4, 0.5, 1, 2, thought=HEADING_THOUGHT))
         return cls(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                    demos=demos, sft_steps=2, sft_batch_size=4, rollout_bucket=768,
-                   stages=(Stage("Bandit", 1, 8, 768, small), Stage("FrozenLake", 2, 8, 768, small)))
+                   stages=(Stage("Bandit", 1, 8, 768, small), Stage("CoordFrozenLake", 2, 8, 768, small)))
 
 
 def select_stages(config: DemoConfig, tags: Sequence[str]) -> DemoConfig:
@@ -187,7 +197,7 @@ def play_demos(demos: Demos, first_seed: int, actions_per_turn: int, tag_id: int
     holds its turns alone."""
     seeds = [first_seed + i // demos.per_seed for i in range(demos.count)]
     played = demonstrate(demos.tag, seeds, demos.max_turn, actions_per_turn, demos.guess, tag_id=tag_id,
-                         custom_envs=custom_envs)
+                         custom_envs=custom_envs, thought=demos.thought)
     return played if demos.instruction else [dataclasses.replace(slot, prefix="") for slot in played]
 
 

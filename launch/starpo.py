@@ -5,7 +5,7 @@
 
 Without ``model_path`` it runs the embedded demo (``launch.demo_starpo``): a small
 tokenizer and policy built locally, SFT on solver demonstrations, then StarPO-S on
-Bandit and FrozenLake; nothing is downloaded.
+Bandit and CoordFrozenLake; nothing is downloaded.
 
 This script parses and calls ``starpo_jax.trainer.train``: rollouts, updates, validation, metrics,
 rollout dumps, Echo Trap warnings, checkpoints in ``<out>/checkpoints`` (resumed automatically; SIGTERM or
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                         help="the embedded demo over policy init seeds P x sampling seeds S (each a range a-b or a "
                              "comma list, e.g. 0-3x0-1); prints the held-out gain's mean, min and max")
     parser.add_argument("--stages", metavar="TAGS",
-                        help="comma-separated demo stages to run (default all: Bandit,FrozenLake)")
+                        help="comma-separated demo stages to run (default all: Bandit,CoordFrozenLake)")
     parser.add_argument("--allow-change", default="", metavar="KEYS",
                         help="comma-separated config keys that may differ from the run's recorded config on resume")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)

@@ -63,7 +63,7 @@ DEMONSTRATORS: dict[type, Callable[[Slot, int], tuple[str, list[str]]]] = {
 
 def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_turn: int = 2, guess: float = 0.0,
                 rng: np.random.Generator | None = None, tag_id: int = 0,
-                custom_envs: Mapping[str, envs.EnvEntry] | None = None) -> list[Slot]:
+                custom_envs: Mapping[str, envs.EnvEntry] | None = None, thought: str | None = None) -> list[Slot]:
     """Plays one demonstration per seed; each slot ends done or after ``max_turn`` turns.
 
     The environment is ``envs.make(tag, custom_envs)``, so any tag of a Bandit or FrozenLake type (or subclass,
@@ -72,6 +72,8 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
     With ``guess`` > 0 a turn is, with that probability, a guess: the thought says so
     (``I guess.``) and the actions are drawn uniformly. A policy imitating both plays both ways,
     as Bandit's demonstrations pull both arms; RL then has to find which way pays.
+    ``thought``, when given, replaces the demonstrator's thought in the other turns (e.g. ``I head for the
+    goal.`` instead of ``The goal is down.``: the answer then reads the state itself, not a word of the thought).
     """
     if not 0.0 <= guess <= 1.0:
         raise ValueError(f"guess must be in [0, 1] (the probability that a turn is a guess), got {guess}")
@@ -88,9 +90,10 @@ def demonstrate(tag: str, seeds: range | list[int], max_turn: int, actions_per_t
             if slot.done:
                 break
             if rng.random() < guess:
-                thought, actions = GUESS_THOUGHT, [str(rng.choice(env.action_names)) for _ in range(actions_per_turn)]
+                said, actions = GUESS_THOUGHT, [str(rng.choice(env.action_names)) for _ in range(actions_per_turn)]
             else:
-                thought, actions = policy(slot, actions_per_turn)
-            run_turn(slot, response(thought, actions), actions)
+                said, actions = policy(slot, actions_per_turn)
+                said = said if thought is None else thought
+            run_turn(slot, response(said, actions), actions)
         slots.append(slot)
     return slots

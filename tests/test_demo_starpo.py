@@ -29,12 +29,12 @@ def demo(tmp_path_factory):
 
 def test_main_job_writes_every_metric_plot_and_model(demo):
     out, summary = demo
-    assert set(summary) == {"Bandit/success_after_sft", "Bandit/success_after_rl", "FrozenLake/success_after_sft",
-                            "FrozenLake/success_after_rl", "wall_time_s", "load_average_1min"}
+    assert set(summary) == {"Bandit/success_after_sft", "Bandit/success_after_rl", "CoordFrozenLake/success_after_sft",
+                            "CoordFrozenLake/success_after_rl", "wall_time_s", "load_average_1min"}
     assert json.loads((out / "summary.json").read_text()) == summary
     sft = read_jsonl(out / "logs" / "sft" / "metrics.jsonl")
     assert [r["step"] for r in sft] == [1, 2] and {"sft/loss", "sft/accuracy", "sft/grad_norm"} <= set(sft[-1])
-    for tag in ("Bandit", "FrozenLake"):
+    for tag in ("Bandit", "CoordFrozenLake"):
         stage = out / f"rl_{tag.lower()}"
         rows = read_jsonl(stage / "metrics.jsonl")
         assert [r["step"] for r in rows] == [0, 1]
@@ -67,6 +67,27 @@ def test_demonstrations_without_the_instruction_are_their_turns_alone():
         assert drill_chat[2:] == full_chat[2:] and drill.score == full.score
 
 
+def test_lake_turns_head_for_the_goal_offset_or_guess():
+    """The demo's lake: a turn that does not guess says the heading thought and moves as the state's last line
+    (the goal's offset from the player) says, rows first; guesses say so."""
+    _, lake = demo_starpo.with_custom_envs(demo_starpo.DemoConfig(), [])
+    slots = demo_starpo.play_demos(demo_starpo.Demos("CoordFrozenLake", 40, 0.5, 1, 3,
+                                                     thought=demo_starpo.HEADING_THOUGHT), 11, 1, 1, lake)
+    said = {"heading": 0, "guess": 0}
+    for slot in slots:
+        for turn in (t for t in slot.history if t.llm_response is not None):
+            offset = turn.state.splitlines()[-1]
+            assert offset.startswith("Goal from player: ") and "Holes" not in offset
+            if turn.llm_response.startswith(f"<think>{demo_starpo.HEADING_THOUGHT}</think>"):
+                said["heading"] += 1
+                first = offset.removeprefix("Goal from player: ").split(", ")[0].split(" ")[1]
+                assert turn.llm_response.endswith(f"<answer>{first.capitalize()}</answer>")
+            else:
+                said["guess"] += 1
+                assert turn.llm_response.startswith("<think>I guess.</think>")
+    assert min(said.values()) > 10
+
+
 def test_seed_grid_parsing_and_sampling_keys():
     assert demo_seeds.parse_seeds("0-3x0-1") == ([0, 1, 2, 3], [0, 1])
     assert demo_seeds.parse_seeds("2,5") == ([2, 5], [0])
@@ -76,19 +97,19 @@ def test_seed_grid_parsing_and_sampling_keys():
     assert demo_seeds.sampling_overrides(["a=1"], 1) == ["a=1", "seed.train=20000"]
     with pytest.raises(ValueError, match="seed.train"):
         demo_seeds.sampling_overrides(["seed.train=5"], 0)
-    config = demo_starpo.select_stages(demo_starpo.DemoConfig.fast(), ["FrozenLake"])
-    assert [stage.tag for stage in config.stages] == ["FrozenLake"]
+    config = demo_starpo.select_stages(demo_starpo.DemoConfig.fast(), ["CoordFrozenLake"])
+    assert [stage.tag for stage in config.stages] == ["CoordFrozenLake"]
     with pytest.raises(ValueError, match="unknown: \\['Sokoban'\\]"):
         demo_starpo.select_stages(config, ["Sokoban"])
 
 
 def test_seed_distribution_and_per_seed_plot(demo):
     out, summary = demo
-    runs = [{"policy_seed": p, "sampling_seed": 0, "folder": str(out), "FrozenLake/success_after_sft": before,
-             "FrozenLake/success_after_rl": after} for p, (before, after) in enumerate([(0.25, 0.5), (0.1, 0.05)])]
-    stats = demo_seeds.distribution(runs, ["FrozenLake"])["FrozenLake"]
+    runs = [{"policy_seed": p, "sampling_seed": 0, "folder": str(out), "CoordFrozenLake/success_after_sft": before,
+             "CoordFrozenLake/success_after_rl": after} for p, (before, after) in enumerate([(0.25, 0.5), (0.1, 0.05)])]
+    stats = demo_seeds.distribution(runs, ["CoordFrozenLake"])["CoordFrozenLake"]
     assert stats["gain_mean"] == pytest.approx(10.0) and stats["gain_min"] == pytest.approx(-5.0)
     assert stats["gain_max"] == pytest.approx(25.0) and stats["before_mean"] == pytest.approx(17.5)
     assert stats["after_min"] == pytest.approx(5.0) and stats["after_max"] == pytest.approx(50.0)
-    demo_seeds.plot_seeds(runs, out, "FrozenLake")
-    assert (out / "plots" / "seeds_frozenlake.png").read_bytes()[:4] == b"\x89PNG"
+    demo_seeds.plot_seeds(runs, out, "CoordFrozenLake")
+    assert (out / "plots" / "seeds_coordfrozenlake.png").read_bytes()[:4] == b"\x89PNG"

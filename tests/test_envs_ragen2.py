@@ -138,6 +138,20 @@ def test_coord_frozen_lake_lists_start_goal_player_holes():
         "Player in hole: (1, 1)\nHoles: (0, 3), (1, 1), (3, 0)\nGrid Map: \n___O\n_X__\n___G\nO___")
 
 
+def test_goal_offset_line_ends_the_coordinate_block():
+    desc = np.frombuffer(b"SFFHFHFFFFFGHFFF", np.uint8).reshape(4, 4)
+    env = CoordFrozenLake(observation_format="coord", goal_offset=True)
+    assert env.render_text(FrozenLakeState(jnp.asarray(desc), jnp.int32(7), jnp.int32(1))) == (
+        "Board size: 4 rows x 4 cols (zero-indexed).\nStart: (0, 0)\nGoal: (2, 3)\nPlayer: (1, 3)\n"
+        "Holes: (0, 3), (1, 1), (3, 0)\nGoal from player: 1 down")
+    assert env.render_text(FrozenLakeState(jnp.asarray(desc), jnp.int32(13), jnp.int32(1))).endswith(
+        "Goal from player: 1 up, 2 right")
+    assert env.render_text(FrozenLakeState(jnp.asarray(desc), jnp.int32(11), jnp.int32(1))).endswith(
+        "Player on goal: (2, 3)\nHoles: (0, 3), (1, 1), (3, 0)\nGoal from player: here")
+    with pytest.raises(ValueError, match="goal_offset"):
+        CoordFrozenLake(observation_format="grid", goal_offset=True)
+
+
 def test_frozen_lake_success_rate_slip_law_and_sweep_rates():
     env = CoordFrozenLake(success_rate=0.6)
     desc = jnp.asarray(np.frombuffer(b"FFFFFSFFFFFFFFFG", np.uint8).reshape(4, 4))

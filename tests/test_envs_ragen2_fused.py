@@ -1,4 +1,4 @@
-"""2048, the 2x2 cube, CoordSokoban (grid_coord), CoordFrozenLake (grid_coord, coord) and Sudoku (free-text moves)
+"""2048, the 2x2 cube, CoordSokoban (grid_coord), CoordFrozenLake (grid_coord, coord with the goal offset) and Sudoku (free-text moves)
 in the fused driver: the host driver's trajectories (greedy); Sudoku's on-device parser gives the host's moves."""
 
 import dataclasses
@@ -35,7 +35,7 @@ SETTINGS = RolloutSettings(max_turn=2, max_model_len=1024, train_on_sampled_ids=
                            max_actions_per_turn=3)
 CUSTOM_ENVS = {**envs.CUSTOM_ENVS_V2,
                "Short2048": dataclasses.replace(envs.RAGEN2_ENVS["game_2048"], max_actions_per_traj=6, max_tokens=50),
-               "CoordLakeXY": envs.EnvEntry.of_type("coord_frozen_lake", observation_format="coord"),
+               "CoordLakeXY": envs.EnvEntry.of_type("coord_frozen_lake", observation_format="coord", goal_offset=True),
                "TinySudoku": envs.EnvEntry.of_type("sudoku", grid_size=4)}
 ANSWERS = ["place 5 at row 2 col 3 || 2,3,5 || Up || 9,9,10 || (1, 2,  3)", "I place 3 at (1,2)",
            "5 at 1, 2 || at 12,3,4 || 003,1,2", "PLACE 4 AT ROW 1 COL 1", " || 1,2 ||| 3,4,5",

@@ -1,6 +1,7 @@
 """Talk to a policy with this project's JAX sampler: one episode of an environment, or a free chat.
 
-    python -m launch.chat --model runs/starpo/rl_frozenlake/hf_model --env FrozenLake
+    python -m launch.chat --model runs/starpo/rl_coordfrozenlake/hf_model --env CoordFrozenLake \
+        $(python -c "from launch.demo_starpo import LAKE_KEYS; print(*LAKE_KEYS)")
     python -m launch.chat --model runs/starpo/rl_bandit/hf_model --env Bandit --seed 7
     python -m launch.chat --model runs/starpo/rl_bandit/hf_model --prompt "Which arm do you pull?"
     python -m launch.chat --model runs/starpo/rl_bandit/hf_model           # free chat, one line per turn

@@ -114,7 +114,7 @@ class DemoConfig:
     # (``_3_frozen_lake.yaml``), the coordinate block alone, ending with the goal's offset from the player.
     custom_envs: tuple[str, ...] = LAKE_KEYS
     actions_per_turn: int = 1
-    sft_steps: int = 600
+    sft_steps: int = 900
     sft_batch_size: int = 16
     sft_lr: float = 3e-3
     # ``nnx.Rngs`` seed of the random policy (``--seeds`` varies it).
@@ -129,7 +129,7 @@ class DemoConfig:
             "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3")),
         Stage("CoordFrozenLake", 5, 16, 1024, (
             "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
-            "trainer.total_training_steps=6", "trainer.test_freq=6", "ppo_mini_batch_size=8",
+            "trainer.total_training_steps=10", "trainer.test_freq=10", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
             "agent_proxy.max_actions_per_turn=1", "agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True",
             "actor_rollout_ref.actor.optim.lr=5e-4", "critic.optim.lr=1e-3")),

@@ -23,11 +23,12 @@ class PieceRenderer(NamedTuple):
     lengths: jax.Array  # (total variants,)
     offsets: jax.Array  # (num slots,) first row of each slot's variants
     index_of: Callable[[jax.Array], jax.Array]  # observation -> (num slots,) variant index per slot
+    width: int  # the longest state: each slot's longest variant, summed (the rendered ids' length)
 
     def tokens(self, obs: jax.Array, actions_left=None) -> tuple[jax.Array, jax.Array]:
-        """Token ids of ``state text + "\\n"`` and their count."""
+        """Token ids of ``state text + "\\n"`` (``width`` entries, 0-padded) and their count."""
         rows = self.offsets + self.index_of(obs)
-        return concat_rows(self.ids[rows], self.lengths[rows])
+        return concat_rows(self.ids[rows], self.lengths[rows], self.width)
 
 
 def piece_tables(tokenizer, slots: Sequence[Sequence[str]], index_of: Callable) -> PieceRenderer:
@@ -43,8 +44,10 @@ def piece_tables(tokenizer, slots: Sequence[Sequence[str]], index_of: Callable) 
         table[i, :len(ids)] = ids
     starts = dict(zip((id(slot) for slot in unique), np.cumsum([0] + [len(slot) for slot in unique[:-1]])))
     offsets = [starts[id(slot)] for slot in slots]
-    return PieceRenderer(jnp.asarray(table), jnp.asarray([len(e) for e in encoded], jnp.int32),
-                         jnp.asarray(offsets, jnp.int32), index_of)
+    lengths = [len(e) for e in encoded]
+    width = sum(max(lengths[start:start + len(slot)]) for start, slot in zip(offsets, slots))
+    return PieceRenderer(jnp.asarray(table), jnp.asarray(lengths, jnp.int32), jnp.asarray(offsets, jnp.int32),
+                         index_of, width)
 
 
 def build_piece_renderer(env, tokenizer, slots: Sequence[Sequence[str]], index_of: Callable,

@@ -74,11 +74,14 @@ def render_tokens(renderer: GridRenderer, obs: jax.Array) -> tuple[jax.Array, ja
     return concat_rows(renderer.row_tokens[codes], renderer.row_lengths[codes])
 
 
-def concat_rows(tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The rows of 0-padded ``tokens`` (valid up to ``lengths``) laid end to end: ``(ids, total length)``."""
+def concat_rows(tokens: jax.Array, lengths: jax.Array, total: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The rows of 0-padded ``tokens`` (valid up to ``lengths``) laid end to end: ``(ids, total length)``.
+
+    ``ids`` has ``total`` entries (default: every row at full width), which must bound ``lengths.sum()``.
+    """
     starts = jnp.cumsum(lengths) - lengths
     width = tokens.shape[1]
-    total = tokens.shape[0] * width
+    total = tokens.shape[0] * width if total is None else total
     slots = jnp.where(jnp.arange(width) < lengths[:, None], starts[:, None] + jnp.arange(width), total)
     ids = jnp.zeros(total + 1, jnp.int32).at[slots.ravel()].set(tokens.ravel())[:total]
     return ids, lengths.sum()

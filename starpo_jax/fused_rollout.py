@@ -1,7 +1,7 @@
 """Fused multi-turn rollout (starpo.md §3): a whole episode of JAX environments in one compiled program.
 
-Each turn, inside one ``lax.while_loop``, builds every active row's next segment from
-pre-tokenized pieces, decodes it with ``starpo_jax.sampler`` (the KV cache kept across
+Each turn (the first, then the rest inside one ``lax.while_loop``, each at its own segment width) builds
+every active row's next segment from pre-tokenized pieces, decodes it with ``starpo_jax.sampler`` (the KV cache kept across
 turns), parses the generated ids on device (the environment's ``response_parser``), steps the
 vmapped environments with RAGEN's rules (``starpo_jax.env_manager.run_turn``) and keeps
 the counters the host driver keeps in its slots, RAGEN-2's episode metrics (``slot_metrics``) included.
@@ -182,27 +182,28 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
     tail = make_piece([tokenizer.encode(training_tail(tokenizer, _finished_slot(), settings), add_special_tokens=False)])
     max_budget = max(t.env.max_actions_per_traj for t in tables)
 
-    def segment(t: EnvTables, block: _Block, turn, ended, warned, num_actions, active):
+    def segment(t: EnvTables, block: _Block, first: bool, turn, ended, warned, num_actions, active):
+        """The fed ids of one turn: the chat up to the first state (``first``), else the turn-end through the
+        next state; each compiled at its own width, so later turns do not pad to the system prompt's length."""
         rows = ended.shape[0]
         obs = jax.vmap(t.env.get_obs)(block.env_state)
         left = t.env.max_actions_per_traj - num_actions + warned * (t.env.max_actions_per_traj + 1)
         state = jax.vmap(t.states.tokens)(obs, left)
         after = (t.after.ids[left], t.after.lengths[left])
         fixed = lambda p, i: (jnp.broadcast_to(p.ids[i], (rows, p.ids.shape[1])), jnp.full(rows, p.lengths[i]))
-        prompt = _concat([fixed(t.prompt_head, 0), state, after])
-        turn_number = jnp.minimum(turn + 1, t.turn.ids.shape[0] - 1)
-        eos_ids = (jnp.full((rows, 1), eos, jnp.int32), jnp.where(ended, 0, 1).astype(jnp.int32))
-        reward = (t.rewards.text.ids[block.reward_total], t.rewards.text.lengths[block.reward_total])
-        continued = _concat([eos_ids, fixed(t.head, 0), reward, fixed(t.turn, turn_number), state, after])
-        width = max(prompt[0].shape[1], continued[0].shape[1])
-        widen = lambda x: jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
-        ids = jnp.where(turn == 0, widen(prompt[0]), widen(continued[0]))
-        return ids, jnp.where(active, jnp.where(turn == 0, prompt[1], continued[1]), 0)
+        if first:
+            ids, count = _concat([fixed(t.prompt_head, 0), state, after])
+        else:
+            turn_number = jnp.minimum(turn + 1, t.turn.ids.shape[0] - 1)
+            eos_ids = (jnp.full((rows, 1), eos, jnp.int32), jnp.where(ended, 0, 1).astype(jnp.int32))
+            reward = (t.rewards.text.ids[block.reward_total], t.rewards.text.lengths[block.reward_total])
+            ids, count = _concat([eos_ids, fixed(t.head, 0), reward, fixed(t.turn, turn_number), state, after])
+        return ids, jnp.where(active, count, 0)
 
-    def turn_body(params, key, s: _Loop) -> _Loop:
+    def turn_body(params, key, first: bool, s: _Loop) -> _Loop:
         e = s.episode
         active = ~e.terminated
-        pieces = [segment(t, b, s.turn, s.ended[lo:hi], s.warned[lo:hi], e.num_actions[lo:hi], active[lo:hi])
+        pieces = [segment(t, b, first, s.turn, s.ended[lo:hi], s.warned[lo:hi], e.num_actions[lo:hi], active[lo:hi])
                   for t, b, lo, hi in zip(tables, s.blocks, starts[:-1], starts[1:])]
         width = max(ids.shape[1] for ids, _ in pieces)
         seg = jnp.concatenate([jnp.pad(ids, ((0, 0), (0, width - ids.shape[1]))) for ids, _ in pieces])
@@ -263,8 +264,9 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                                jnp.zeros((batch, settings.max_turn), jnp.int32), zeros, zeros, zeros, zeros, zeros,
                                false, false, jnp.full((batch, max_budget), jnp.nan, jnp.float32), jnp.bool_(False))
         state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), false, tuple(blocks), episode)
+        state = turn_body(params, key, True, state)
         final = jax.lax.while_loop(lambda s: (s.turn < settings.max_turn) & jnp.any(~s.episode.terminated),
-                                   lambda s: turn_body(params, key, s), state)
+                                   lambda s: turn_body(params, key, False, s), state)
         ids, length = _append(final.ids, final.length, jnp.full((batch, 1), eos, jnp.int32),
                               jnp.where(final.ended, 0, 1).astype(jnp.int32))
         ids, length = _append(ids, length, jnp.broadcast_to(tail.ids, (batch, tail.ids.shape[1])),

@@ -14,6 +14,7 @@ import envs
 from envs.base import TextEnvironment
 from envs.sudoku import parse_move
 from envs.text import env_prefix, parse_response
+from envs.text_pieces import piece_tables
 from starpo_jax.env_manager import GymnaxHostEnv, reset_slot
 from starpo_jax.fused_rollout import build_env_tables, fused_rollout, make_fused_rollout
 from starpo_jax.models.kv_cache import init_cache
@@ -128,6 +129,19 @@ def test_two_box_coord_sokoban_renders_its_coordinate_lists_on_device(setup, obs
     text = env.render_text(state)
     assert setup["tokenizer"].decode(ids[:length]) == text + "\n"
     assert len(re.findall(r"\(\d, \d\)", text)) == 5 and ("Grid Map" in text) == (observation_format == "grid_coord")
+
+
+def test_a_piece_rendered_state_is_as_wide_as_its_longest_text(setup):
+    """The ids of a piece-rendered state have room for each slot's longest variant, summed, not for every slot at
+    the widest variant of all (the padding every turn's prefill would pay for)."""
+    tokenizer = setup["tokenizer"]
+    slots = [["Goal: (1, 2)\n", "G"], ["", " (0, 1),", " (0, 1)\n"], [" (3, 3)\n"]]
+    renderer = piece_tables(tokenizer, slots, lambda obs: obs)
+    longest = [max(len(tokenizer.encode(text, add_special_tokens=False)) for text in slot) for slot in slots]
+    assert renderer.width == sum(longest) < len(slots) * renderer.ids.shape[1]
+    ids, length = renderer.tokens(jnp.array([0, 2, 0]))
+    assert ids.shape == (sum(longest),)
+    assert tokenizer.decode(ids[:length]) == "Goal: (1, 2)\n (0, 1)\n (3, 3)\n"
 
 
 def test_v2_bandit_is_host_only_and_sudoku_is_not(setup):

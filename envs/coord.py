@@ -170,7 +170,7 @@ class CoordFrozenLake(FrozenLake):
 
     The defaults are the ``CoordFrozenLake`` tag's. ``goal_offset`` (ours, off by default) ends the coordinate block
     with the goal's offset from the player (``goal_offset_line``): where the goal lies becomes a line to read rather
-    than two coordinates to compare (the embedded demo's FrozenLake stage, ``launch.demo_starpo``).
+    than two coordinates to compare (the embedded demo's lake stage, ``launch.demo_starpo``).
     """
 
     tag = "CoordFrozenLake"

@@ -45,7 +45,8 @@ def bench_generation(peer, ours, args):
     graphdef, params = nnx.split(ours)
     sampler = make_sampler(graphdef, SamplerConfig(args.new_tokens, greedy=True))
     rng = np.random.default_rng(0)
-    print(f"generation: prompt {args.prompt} tokens, {args.new_tokens} new tokens, greedy")
+    slots = args.cache_slots or args.prompt + args.new_tokens
+    print(f"generation: prompt {args.prompt} tokens, {args.new_tokens} new tokens, greedy, our cache {slots} slots")
     print(f"{'batch':>6} {'ours tok/s':>12} {'torch tok/s':>12} {'ratio':>7} {'compile s':>10}")
     for batch in args.batches:
         tokens = rng.integers(1, args.vocab, (batch, args.prompt)).astype(np.int32)
@@ -53,7 +54,7 @@ def bench_generation(peer, ours, args):
         active = jnp.ones((batch,), bool)
 
         def run_ours():
-            cache = init_cache(ours.config, batch, args.prompt + args.new_tokens)
+            cache = init_cache(ours.config, batch, args.cache_slots or args.prompt + args.new_tokens)
             jax.block_until_ready(sampler(params, tokens, mask, cache, jax.random.key(0), active).tokens)
 
         start = time.perf_counter()
@@ -119,6 +120,10 @@ def main():
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--cache-slots", type=int, default=0,
+                        help="our KV cache's slots (default prompt + new tokens); a multi-turn rollout's cache has "
+                             "max_model_len + response slots whatever the turn's length, HF's grows with the text")
+    parser.add_argument("--no-training", action="store_true", help="generation only")
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
@@ -130,7 +135,8 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         peer, ours = build_pair(args, folder)
     bench_generation(peer, ours, args)
-    bench_training(peer, ours, args)
+    if not args.no_training:
+        bench_training(peer, ours, args)
 
 
 if __name__ == "__main__":

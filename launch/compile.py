@@ -6,7 +6,8 @@
     python -m launch.compile starpo --model Qwen2.5-7B --preset starpo-s-ppo-lora remat=True dtype=bfloat16
 
 Further ``key=value`` arguments override the run's config exactly as for ``launch.starpo`` / ``launch.tdd
-distil`` (e.g. ``remat=True``, ``dtype=bfloat16``, ``micro_batch_size_per_gpu=2``; TDD ``unet_dtype=bfloat16``).
+distil`` (e.g. ``remat=True``, ``dtype=bfloat16``, ``micro_batch_size_per_gpu=2``; TDD ``unet_dtype=bfloat16``,
+``scan_layers=True``).
 
 Programs are the project's own builders (``starpo_jax.steps``, ``starpo_jax.sampler``,
 ``tdd_jax.distill``) lowered on ``jax.ShapeDtypeStruct`` arguments with the shardings a run places
@@ -16,10 +17,10 @@ FLOPs, HBM bytes accessed, the roofline step time and its MFU bound (peaks in ``
 
 HBM is the compiler's buffer assignment of the real program. XLA's cost analysis counts a loop body
 once, so FLOPs and bytes come from loop-free copies: the decoder at depth 1 and 2 with its layers
-unrolled, extrapolated linearly to the real depth; one micro-batch, times the micro-batches (the
-optimizer update, compiled alone, once); the sampler's prefill plus ``response_length - 1`` decode
-steps, a decode step being half of a sampler compiled on a one-token prompt (a one-token prefill
-and one decode step). ``--suggest`` searches data/fsdp/tensor meshes, then remat, then smaller
+unrolled, extrapolated linearly to the real depth (each stack of the UNet's transformers likewise, from
+2 and 3 deep); one micro-batch, times the micro-batches (the optimizer update, compiled alone, once);
+the sampler's prefill plus ``response_length - 1`` decode steps, a decode step being half of a sampler
+compiled on a one-token prompt (a one-token prefill and one decode step). ``--suggest`` searches data/fsdp/tensor meshes, then remat, then smaller
 micro-batches, for a configuration whose every program fits.
 
 Each measured program is stored in ``--cache`` (keyed by its lowered text, devices and the jax / libtpu
@@ -114,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> bool:
         run = parse_config(DistilRunConfig, DISTIL_PRESETS[args.preset or "sdxl"], overrides)
         measure, remat = tdd_measure(unet, text, run, tpu), run.remat
         subject = f"TDD {args.preset or 'sdxl'}, {args.unet} UNet"
-        title = f"{subject}, {run.unet_dtype}, remat {run.remat}, {run.resolution} px, batch {run.batch_size}"
+        title = (f"{subject}, {run.unet_dtype}, remat {run.remat}, scan_layers {run.scan_layers}, "
+                 f"{run.resolution} px, batch {run.batch_size}")
     if args.jobs > 1:
         _run_workers(argv, args.jobs)
     measured = measure(mesh_cfg, remat, costs=not args.no_costs)

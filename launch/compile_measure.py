@@ -3,8 +3,9 @@
 A ``Program`` is a jitted function with its ``jax.ShapeDtypeStruct`` arguments; ``measure_program``
 compiles it (through ``COMPILER``, ``runtime.aot.Compiler`` with its result cache) and gives the
 per-device HBM of the program apart from the state that stays resident. XLA's cost analysis counts a
-loop body once, so ``at_depth`` takes FLOPs and bytes from unrolled copies at depth 1 and 2,
-extrapolated linearly to the real depth, and ``accumulated`` scales one micro-batch's cost to all of them.
+loop body once, so ``at_depths`` takes FLOPs and bytes from unrolled copies one layer apart, extrapolated
+linearly to the real depth of each stack of layers, and ``accumulated`` scales one micro-batch's cost to all
+of them.
 """
 
 from __future__ import annotations
@@ -85,10 +86,24 @@ def measure_program(program: Program, mesh) -> aot.Measure:
     return dataclasses.replace(memory, total=memory.total - device_bytes(program.args[:program.resident_args]))
 
 
+def at_depths(build: Callable[[tuple[int, ...]], Program], depths: tuple[int, ...], mesh,
+              base: int = 1) -> aot.Measure:
+    """The cost of a program whose stacks of layers are ``depths`` deep, from unrolled copies: every stack
+    ``base`` deep (or less where it is), and each deeper stack one more, extrapolated linearly in each depth.
+    ``base=2`` skips the first layer of a stack, which can fuse with what comes before it."""
+    shallow_depths = tuple(min(depth, base) for depth in depths)
+    shallow = compile_program(build(shallow_depths), mesh)
+    total = shallow
+    for i, depth in enumerate(depths):
+        if depth > base:
+            deeper = compile_program(build(shallow_depths[:i] + (base + 1,) + shallow_depths[i + 1:]), mesh)
+            total = total + (deeper + shallow.scale(-1.0)).scale(depth - base)
+    return total
+
+
 def at_depth(build: Callable[[int], Program], depth: int, mesh) -> aot.Measure:
-    """The cost of a program at ``depth`` layers from its unrolled copies at depth 1 and 2 (linear in depth)."""
-    one, two = compile_program(build(1), mesh), compile_program(build(2), mesh)
-    return one + (two + one.scale(-1.0)).scale(depth - 1)
+    """The cost of a program of ``depth`` layers from its unrolled copies 1 and 2 deep (``at_depths``)."""
+    return at_depths(lambda depths: build(depths[0]), (depth,), mesh)
 
 
 def accumulated(one_micro_batch: aot.Measure, micro_batches: int, update: tuple | None, mesh) -> aot.Measure:

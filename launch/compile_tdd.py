@@ -1,7 +1,9 @@
 """The TDD distillation step of ``launch.tdd distil`` for ``launch.compile``: a LoRA student on a diffusers UNet.
 
 The step (teacher solver step, target and student predictions, the LoRA update) at the preset's batch,
-resolution, dtype, remat and micro-batches, on abstract arguments with the run's shardings.
+resolution, dtype, remat, scan_layers and micro-batches, on abstract arguments with the run's shardings. Its
+FLOPs and bytes come from unrolled copies of one micro-batch with each block's transformers at most 3 deep
+(``at_depths``), so SDXL's depth-10 stacks are costed without compiling them unrolled.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from launch.compile_measure import (Program, Row, abstract_train_state, accumulated, compile_program, device_bytes,
+from launch.compile_measure import (Program, Row, abstract_train_state, accumulated, at_depths, device_bytes,
                                     measure_program, optimizer_update, sds, check_shards)
 from launch.model_shapes import SD_SCHEDULER, UNET_TEXT, UNETS
 from launch.tdd_run import DistilRunConfig
@@ -48,7 +50,7 @@ def unet_config(unet: str) -> tuple[dict, tuple[int, int, int | None]]:
 def tdd_programs(unet: dict, text: tuple[int, int, int | None], run: DistilRunConfig, mesh, *, micro_batches: int,
                  batch: int) -> tuple[dict[str, Program], Any]:
     """The distillation step for a diffusers UNet config; also returns the resident state."""
-    cfg = UNetConfig.from_diffusers(unet, dtype=run.unet_dtype, remat=run.remat)
+    cfg = UNetConfig.from_diffusers(unet, dtype=run.unet_dtype, remat=run.remat, scan_layers=run.scan_layers)
     with nnx.use_eager_sharding(False):
         module = UNet2DConditionModel(cfg, rngs=None)
     add_lora(module, LoraConfig(rank=run.lora_rank, alpha=run.lora_alpha), nnx.Rngs(run.seed))
@@ -84,8 +86,15 @@ def tdd_rows(unet: dict, text, run: DistilRunConfig, mesh, costs: bool = True) -
     memory = measure_program(program, mesh)
     if not costs:
         return [Row("distill step", memory, 0.0, 0.0, 1)], device_bytes(resident)
-    one = tdd_programs(unet, text, run, mesh, micro_batches=1, batch=run.batch_size // micro)[0]["distill step"]
-    cost = accumulated(compile_program(one, mesh), micro, program.update, mesh)
+    unrolled = dataclasses.replace(run, scan_layers=False)
+
+    def one_micro_batch(depths: tuple[int, ...]) -> Program:
+        shallow = dict(unet, transformer_layers_per_block=list(depths))
+        programs, _ = tdd_programs(shallow, text, unrolled, mesh, micro_batches=1, batch=run.batch_size // micro)
+        return programs["distill step"]
+
+    depths = UNetConfig.from_diffusers(unet).transformer_layers_per_block
+    cost = accumulated(at_depths(one_micro_batch, depths, mesh, base=2), micro, program.update, mesh)
     return [Row("distill step", memory, cost.flops, cost.bytes_accessed, 1)], device_bytes(resident)
 
 

@@ -127,7 +127,9 @@ class DemoConfig:
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=16",
             "micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
             "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3")),
-        Stage("CoordFrozenLake", 5, 16, 1024, (
+        # 1,408 tokens hold the longest episode the fused driver can lay out (a first turn of 386 token places, 4
+        # more of 224, 5 replies of 16: 1,362), so no held-out episode outgrows the context.
+        Stage("CoordFrozenLake", 5, 16, 1408, (
             "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
             "trainer.total_training_steps=10", "trainer.test_freq=10", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
@@ -157,9 +159,14 @@ def select_stages(config: DemoConfig, tags: Sequence[str]) -> DemoConfig:
     return dataclasses.replace(config, stages=tuple(s for s in config.stages if s.tag in tags))
 
 
-def stage_overrides(stage: Stage, model_path: Path) -> list[str]:
-    """The stage's env, length and batch keys; trains and validates (held-out seeds) on ``stage.tag``."""
-    values = dict(item.split("=", 1) for item in stage.overrides)
+def stage_overrides(stage: Stage, model_path: Path, overrides: Sequence[str] = ()) -> list[str]:
+    """The stage's env, length and batch keys; trains and validates (held-out seeds) on ``stage.tag``.
+
+    The user's ``overrides`` come after these; their ``es_manager.{train,val}.env_groups`` (e.g. more held-out
+    episodes) also set the groups of the stage's tag.
+    """
+    values = {key.lstrip("+"): value for key, value in
+              (item.split("=", 1) for item in [*stage.overrides, *overrides] if "=" in item)}
     train_groups, val_groups = values["es_manager.train.env_groups"], values["es_manager.val.env_groups"]
     return [f"model_path={model_path}", f"agent_proxy.max_turn={stage.max_turn}",
             f"actor_rollout_ref.rollout.response_length={stage.response_length}",
@@ -240,7 +247,7 @@ def train_stages(config: DemoConfig, model_path: Path, out: Path, mesh: Mesh, pr
     summary: dict[str, float] = {}
     for stage in config.stages:
         stage_out = out / f"rl_{stage.tag.lower()}"
-        rl_config = load_config(preset, [*stage_overrides(stage, model_path), *overrides])
+        rl_config = load_config(preset, [*stage_overrides(stage, model_path, overrides), *overrides])
         train(rl_config, mesh, stage_out, rollout_bucket=config.rollout_bucket)
         before, after = held_out_success(stage_out / "metrics.jsonl", stage.tag)
         summary[f"{stage.tag}/success_after_sft"], summary[f"{stage.tag}/success_after_rl"] = before, after

@@ -139,7 +139,8 @@ def build_student(cfg: DistilRunConfig, mesh):
     state is an ``AdversarialState`` with fresh discriminator heads, otherwise a ``DistillState`` (and no heads).
     """
     pipe = load_pipeline(cfg.teacher, mesh, components=("unet", "scheduler_config"),
-                         unet_overrides={"dtype": cfg.unet_dtype, "remat": cfg.remat})
+                         unet_overrides={"dtype": cfg.unet_dtype, "remat": cfg.remat,
+                                                         "scan_layers": cfg.scan_layers})
     add_lora(pipe.unet, LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha), nnx.Rngs(cfg.seed), mesh)
     graphdef, params, frozen = split_model(pipe.unet, lora=True)
     state = init_distill_state(params, cfg.distill, jax.random.key(cfg.seed), mesh)

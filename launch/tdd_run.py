@@ -35,6 +35,8 @@ class DistilRunConfig:
     (``tdd_jax.fresh_crops``; the images are held decoded in host memory).
     ``adversarial`` trains TDD-adv with ``adv``; ``max_train_steps`` then counts discriminator and student
     updates together, as the reference's ``global_step``.
+    ``remat`` and ``scan_layers`` are the UNet's (``tdd_jax.models.unet.UNetConfig``): rematerialised blocks,
+    repeated transformer blocks as one ``lax.scan`` (same outputs, a program independent of SDXL's depth 10).
     """
 
     teacher: str = ""
@@ -52,6 +54,7 @@ class DistilRunConfig:
     mesh: tuple[int, int, int] = (1, -1, 1)
     unet_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = False
     random_flip: bool = False
     use_fix_crop_and_size: bool = True
     crops_per_image: int = 1

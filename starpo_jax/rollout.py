@@ -79,9 +79,12 @@ def chat_ids(tokenizer: Any, slot: Slot, settings: RolloutSettings, *, for_updat
     """
     encode = lambda messages: encode_chat(tokenizer, messages, for_update=for_update,
                                           enable_think=settings.enable_think)
-    messages = apply_max_length(slot_chat(slot, settings, for_update=for_update), lambda m: len(encode(m)),
-                                settings.max_model_len)
-    return encode(messages), sum(m["role"] == "assistant" for m in messages)
+    messages = slot_chat(slot, settings, for_update=for_update)
+    ids = encode(messages)
+    if len(ids) > settings.max_model_len:  # most chats fit: encoded once
+        messages = apply_max_length(messages, lambda m: len(encode(m)), settings.max_model_len)
+        ids = encode(messages)
+    return ids, sum(m["role"] == "assistant" for m in messages)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -2,7 +2,8 @@
 
 Every row stops on its own (stop ids, stop strings, length cap); the loop ends when
 all rows have stopped. Each generated token, the stop token included, is written to
-the KV cache, so the returned cache continues into the next turn.
+the KV cache, so the returned cache continues into the next turn. On the CPU each
+cached call runs on the cache's filled slots only (``on_filled_slots``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,38 @@ def _stopped(token, step, stop_state, config: SamplerConfig, stop: StopStrings |
     return ended, stop_state
 
 
+# Cache slots a CPU call runs on are a multiple of this (one compiled branch per multiple).
+CPU_CACHE_BLOCK = 256
+
+
+def on_filled_slots(call: Callable[[KVCache], tuple[Any, KVCache]], cache: KVCache,
+                    new_tokens: int) -> tuple[Any, KVCache]:
+    """``call(cache) -> (out, cache)``, on the CPU given only the cache's first ``max(lengths) + new_tokens``
+    slots rounded up to ``CPU_CACHE_BLOCK``, elsewhere the whole cache.
+
+    A cached model call attends to every slot and a decode step rewrites every slot of its layer (a select
+    XLA updates in place), so on the CPU a turn's cost grows with the cache's size, not its filled length.
+    The sampler runs a whole turn (prefill and decode loop) in one call, so the branch and its copy of the
+    prefix happen once per turn. Unfilled slots are masked out of attention: the output is the whole cache's.
+    """
+    size = cache.max_length
+    sizes = sorted({min(n, size) for n in range(CPU_CACHE_BLOCK, size + CPU_CACHE_BLOCK, CPU_CACHE_BLOCK)})
+
+    def on_prefix(n: int):
+        def run(cache: KVCache):
+            out, part = call(KVCache(cache.keys[:, :, :, :n], cache.values[:, :, :, :n], cache.lengths))
+            put = lambda full, new: jax.lax.dynamic_update_slice_in_dim(full, new, 0, axis=3)  # noqa: E731
+            return out, KVCache(put(cache.keys, part.keys), put(cache.values, part.values), part.lengths)
+        return run
+
+    def on_cpu(cache: KVCache):
+        needed = jnp.max(cache.lengths) + new_tokens
+        branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), needed), len(sizes) - 1)
+        return jax.lax.switch(branch, [on_prefix(n) for n in sizes[:-1]] + [call], cache)
+
+    return jax.lax.platform_dependent(cache, cpu=on_cpu, default=call)
+
+
 def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopStrings | None = None,
                  mesh: Mesh | None = None) -> Callable:
     """Compiles ``sample(params, tokens, mask, cache, key, active) -> Sample``.
@@ -142,7 +175,7 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
     def placed(cache: KVCache) -> KVCache:
         return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
 
-    def sample(params: Any, tokens, mask, cache: KVCache, key, active) -> Sample:
+    def generate(params: Any, tokens, mask, cache: KVCache, key, active) -> tuple[tuple, KVCache]:
         model = nnx.merge(graphdef, params)
         batch, n = tokens.shape[0], config.max_new_tokens
         hidden, cache = model.model(tokens, mask, cache)  # only the last position needs logits
@@ -174,6 +207,11 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
                 stop_state=jnp.where(s.running[:, None], stop_state, s.stop_state), cache=cache)
 
         final = jax.lax.while_loop(unfed, decode, state)
-        return Sample(final.tokens, final.log_probs, final.lengths, final.cache)
+        return (final.tokens, final.log_probs, final.lengths), final.cache
+
+    def sample(params: Any, tokens, mask, cache: KVCache, key, active) -> Sample:
+        run = lambda c: generate(params, tokens, mask, c, key, active)  # noqa: E731
+        out, cache = on_filled_slots(run, cache, tokens.shape[1] + config.max_new_tokens)
+        return Sample(*out, cache)
 
     return jax.jit(sample, donate_argnames="cache")

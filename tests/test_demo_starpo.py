@@ -1,6 +1,7 @@
 """The README's main job (``python -m launch.starpo`` without a model) end to end at test sizes."""
 
 import json
+from pathlib import Path
 
 import jax
 import pytest
@@ -11,6 +12,7 @@ from launch import demo_seeds, demo_starpo
 from runtime.mesh import MeshConfig, make_mesh
 from runtime.metrics import read_jsonl
 from starpo_jax.demonstrations import demonstrate
+from starpo_jax.presets import load_config
 from starpo_jax.tokenizer import load_tokenizer
 from starpo_jax.trajectory import render_chat
 
@@ -101,6 +103,17 @@ def test_seed_grid_parsing_and_sampling_keys():
     assert [stage.tag for stage in config.stages] == ["CoordFrozenLake"]
     with pytest.raises(ValueError, match="unknown: \\['Sokoban'\\]"):
         demo_starpo.select_stages(config, ["Sokoban"])
+
+
+def test_a_users_held_out_episodes_set_the_stages_groups():
+    """``es_manager.val.env_groups=640`` validates the stage's tag on 640 groups (the demo's own is 256)."""
+    lake = demo_starpo.DemoConfig().stages[-1]
+    user = ["es_manager.val.env_groups=640"]
+    keys = [*demo_starpo.LAKE_KEYS, *demo_starpo.stage_overrides(lake, Path("m"), user), *user]
+    config = load_config(demo_starpo.DEMO_PRESET, keys)
+    assert config.es_manager.val.env_groups == 640
+    assert list(config.es_manager.val.env_configs.n_groups) == [640]
+    assert list(config.es_manager.train.env_configs.n_groups) == [16]
 
 
 def test_seed_distribution_and_per_seed_plot(demo):

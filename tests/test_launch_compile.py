@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from launch import compile as aot_compile
-from launch.compile_measure import Row, device_bytes
+from launch.compile_measure import Program, Row, at_depths, compile_program, device_bytes
 from launch.compile_record import entry, grid, record
 from launch.compile_report import fits
 from launch.compile_starpo import Batches, kept_rollouts, run_batches, shrink_micro_batches, starpo_programs
@@ -18,7 +18,7 @@ from launch.compile_suggest import mesh_candidates, search_order, suggest
 from launch.compile_tdd import tdd_programs
 from launch.tdd_run import DISTIL_PRESETS
 from runtime import aot
-from runtime.mesh import MeshConfig
+from runtime.mesh import MeshConfig, replicated
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.transformer import CausalLM
 from starpo_jax.presets import load_config
@@ -124,6 +124,33 @@ def test_cost_copies_count_every_block_of_chunked_log_probs_and_attention():
     whole = flops(False, 0)
     assert flops(False, 8) == pytest.approx(whole, rel=0.02)
     assert flops(True, 8) < 0.5 * whole
+
+
+def test_cost_of_stacks_extrapolates_each_depth_from_shallow_copies(v5e):
+    """Two stacks of residual layers of different widths: the cost extrapolated from copies 2 and 3 deep equals
+    the cost of the unrolled program at the real depths (TPU compile)."""
+    _, mesh = v5e
+    widths = (64, 256)
+
+    def build(depths: tuple[int, ...]) -> Program:
+        def f(x, *weights):
+            for w, depth in zip(weights, depths):
+                for _ in range(depth):
+                    x = x + jnp.tanh(x @ w) @ w.T
+            return x
+
+        rows = NamedSharding(mesh, P("fsdp"))
+        args = [jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=rows)]
+        args += [jax.ShapeDtypeStruct((256, width), jnp.float32, sharding=replicated(mesh)) for width in widths]
+        return Program(jax.jit(f), tuple(args), 0)
+
+    real = compile_program(build((3, 5)), mesh)
+    extrapolated = at_depths(build, (3, 5), mesh, base=2)
+    assert extrapolated.flops == pytest.approx(real.flops, rel=1e-6)
+    assert extrapolated.bytes_accessed == pytest.approx(real.bytes_accessed, rel=1e-6)
+    # From copies 1 and 2 deep the first layer's fusion with the input is extrapolated too (5 % of the bytes here).
+    assert at_depths(build, (3, 5), mesh).flops == pytest.approx(real.flops, rel=1e-6)
+    assert at_depths(build, (1, 1), mesh).flops < 0.5 * real.flops
 
 
 def test_critic_is_compiled_with_its_own_mini_and_micro_batches(v5e):

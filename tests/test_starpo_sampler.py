@@ -11,6 +11,7 @@ from runtime.mesh import MeshConfig, make_mesh
 from runtime.sharding import shard_batch, shard_state
 from starpo_jax.models.kv_cache import cache_shardings, init_cache
 from starpo_jax.models.transformer import CausalLM
+from starpo_jax import sampler as sampler_module
 from starpo_jax.sampler import SamplerConfig, choose, filter_logits, make_sampler
 from starpo_jax.tokenizer import stop_string_automaton
 from starpo_hf_fixtures import numpy_initialised
@@ -162,3 +163,25 @@ def test_sampler_on_a_mesh_equals_single_device(setup):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(expected.lengths))
     np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(expected.log_probs), atol=1e-5)
+
+
+def test_turns_on_the_filled_slots_of_a_larger_cache_equal_the_whole_cache(setup, monkeypatch):
+    """With 16-slot blocks, a 64-slot cache runs turn 1 on its first 16 slots and turn 2 on 32: the same
+    tokens and log-probs as the 40-slot cache used whole, the keys written in the same slots, the rest empty."""
+    params, _, turns, small, _ = setup
+    monkeypatch.setattr(sampler_module, "CPU_CACHE_BLOCK", 16)
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(3))))
+    config = SamplerConfig(max_new_tokens=NEW, temperature=0.8, stop_ids=(STOP_ID,), pad_id=0)
+    sampler = make_sampler(graphdef, config, stop_string_automaton(PIECES, [STOP_STRING], CONFIG.vocab_size))
+    cache = init_cache(CONFIG, BATCH, 64)
+    active = jnp.array([True, True, True, True, True, False])
+    for turn, (tokens, mask, expected) in enumerate(turns):
+        assert int(cache.lengths.max()) + WIDTH + NEW <= 16 * (turn + 1)
+        out = sampler(params, tokens, mask, cache, jax.random.key(turn), active)
+        cache = out.cache
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
+        np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(expected.log_probs), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(small.lengths))
+    np.testing.assert_allclose(np.asarray(cache.keys[:, :, :, :SLOTS]), np.asarray(small.keys), atol=1e-5)
+    assert not np.asarray(cache.keys[:, :, :, SLOTS:]).any() and not np.asarray(cache.values[:, :, :, SLOTS:]).any()

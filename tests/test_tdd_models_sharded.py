@@ -1,4 +1,5 @@
-"""The UNet (with LoRA and remat) runs sharded on 8 fake devices with the unsharded loss and gradients."""
+"""The UNet (with LoRA, remat and scanned transformer blocks) runs sharded on 8 fake devices with the unsharded,
+unrolled loss and gradients."""
 
 import dataclasses
 
@@ -13,9 +14,9 @@ from runtime.sharding import shard_batch, shard_state, shardings_of
 from tdd_jax.models.lora import LoraConfig, add_lora
 from tdd_jax.models.unet import UNet2DConditionModel, UNetConfig
 
-# One level keeps the compile short; it still has resnets, a transformer, the mid block and text_time.
+# One level keeps the compile short; it still has resnets, transformers of two blocks, the mid block and text_time.
 CFG = UNetConfig(down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
-                 block_out_channels=(32,), layers_per_block=(1,), transformer_layers_per_block=(1,),
+                 block_out_channels=(32,), layers_per_block=(1,), transformer_layers_per_block=(2,),
                  num_attention_heads=(2,), cross_attention_dim=(16,), norm_num_groups=8, use_linear_projection=True,
                  addition_embed_type="text_time", addition_time_embed_dim=4,
                  projection_class_embeddings_input_dim=8 + 6 * 4)
@@ -54,10 +55,11 @@ def test_sharded_forward_backward_equals_single_device():
              {"text_embeds": rng.normal(size=(4, 8)).astype(np.float32),
               "time_ids": np.tile(np.array([[8, 8, 0, 0, 8, 8]], np.float32), (4, 1))})
     ref_loss, ref_grads, _ = loss_and_grads(graphdef, (1, 1, 1), state, batch)
-    remat_graphdef, _ = lora_unet(dataclasses.replace(CFG, remat=True))
-    loss, grads, placed = loss_and_grads(remat_graphdef, (2, 2, 2), state, batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-4)
+    for scan_layers in (False, True):
+        remat_graphdef, _ = lora_unet(dataclasses.replace(CFG, remat=True, scan_layers=scan_layers))
+        loss, grads, placed = loss_and_grads(remat_graphdef, (2, 2, 2), state, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"scan_layers={scan_layers}")
+        chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-4)
     kernel = placed["down_blocks"][0]["resnets"][0]["conv1"]["kernel"].get_value()
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, "fsdp", "tensor")
     lora_b = grads["down_blocks"][0]["resnets"][0]["conv1"]["lora"]["lora_b"].get_value()

@@ -1,7 +1,9 @@
 """Spatial transformer of the latent-diffusion UNet (Rombach et al. 2022, Sec. 3.3 and App. E).
 
 GroupNorm -> proj_in (1x1 conv or linear) -> N x [self-attn, cross-attn, GEGLU MLP] -> proj_out,
-plus the input as a residual.
+plus the input as a residual. With ``scan`` the N blocks run as one ``lax.scan`` over their stacked
+weights (MaxText's ``scan_layers``): the compiled program holds one block whatever N, which is what lets
+SDXL's depth-10 stacks compile on a small host.
 """
 
 from __future__ import annotations
@@ -44,11 +46,25 @@ class BasicTransformerBlock(nnx.Module):
         return x + self.ff(self.norm3(x), lora_scale)
 
 
+def scan_blocks(blocks: nnx.List, tokens: jax.Array, context: jax.Array, lora_scale: float,
+                remat: bool) -> jax.Array:
+    """``blocks`` applied in turn as one ``lax.scan`` over their weights stacked along a new leading axis;
+    with ``remat`` each block keeps only its input for the backward pass."""
+    graphdef = nnx.graphdef(blocks[0])
+    stacked = jax.tree.map(lambda *weights: jnp.stack(weights), *[nnx.state(block) for block in blocks])
+
+    def body(x, state):
+        return nnx.merge(graphdef, state)(x, context, lora_scale), None
+
+    return jax.lax.scan(jax.checkpoint(body) if remat else body, tokens, stacked)[0]
+
+
 class Transformer2D(nnx.Module):
-    """Diffusers' ``Transformer2DModel`` for continuous NHWC inputs."""
+    """Diffusers' ``Transformer2DModel`` for continuous NHWC inputs; ``scan`` / ``remat`` as ``scan_blocks``."""
 
     def __init__(self, channels: int, num_heads: int, depth: int, context_dim: int, *, groups: int,
-                 linear_projection: bool, dtype=jnp.float32, rngs: nnx.Rngs | None):
+                 linear_projection: bool, scan: bool = False, remat: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs | None):
         if channels % num_heads:
             raise ValueError(f"{channels} channels are not divisible by {num_heads} attention heads")
         self.norm = GroupNorm(groups, channels, 1e-6, rngs=rngs)
@@ -60,11 +76,15 @@ class Transformer2D(nnx.Module):
             self.proj_out = Conv(channels, channels, 1, dtype=dtype, rngs=rngs)
         self.transformer_blocks = nnx.List(
             [BasicTransformerBlock(channels, num_heads, context_dim, dtype=dtype, rngs=rngs) for _ in range(depth)])
+        self.scan, self.remat = scan and depth > 1, remat
 
     def __call__(self, x: jax.Array, context: jax.Array, lora_scale: float = 1.0) -> jax.Array:
         b, h, w, c = x.shape
         # A 1x1 conv and a linear layer are the same map on NHWC, so proj_in/out are applied alike.
         tokens = self.proj_in(self.norm(x), lora_scale).reshape(b, h * w, c)
-        for block in self.transformer_blocks:
-            tokens = block(tokens, context, lora_scale)
+        if self.scan:
+            tokens = scan_blocks(self.transformer_blocks, tokens, context, lora_scale, self.remat)
+        else:
+            for block in self.transformer_blocks:
+                tokens = block(tokens, context, lora_scale)
         return x.astype(tokens.dtype) + self.proj_out(tokens.reshape(b, h, w, c), lora_scale)

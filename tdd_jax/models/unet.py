@@ -43,7 +43,12 @@ _UP_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
 
 @dataclasses.dataclass(frozen=True)
 class UNetConfig:
-    """The subset of diffusers' UNet2DConditionModel config that SD1.5/SDXL use; per-block tuples."""
+    """The subset of diffusers' UNet2DConditionModel config that SD1.5/SDXL use; per-block tuples.
+
+    ``remat`` recomputes each block's activations in the backward pass; ``scan_layers`` runs each repeated
+    stack of transformer blocks as one ``lax.scan`` (``tdd_jax.models.transformer.scan_blocks``; with
+    ``remat``, per block). Neither changes the parameters or the outputs.
+    """
 
     in_channels: int = 4
     out_channels: int = 4
@@ -66,6 +71,7 @@ class UNetConfig:
     projection_class_embeddings_input_dim: int | None = None
     dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = False
 
     def __post_init__(self):
         n = len(self.block_out_channels)
@@ -167,7 +173,8 @@ class UNetBlock(nnx.Module):
         self.attentions = nnx.List([
             Transformer2D(cout, cfg.num_attention_heads[block], cfg.transformer_layers_per_block[block],
                           cfg.cross_attention_dim[block], groups=cfg.norm_num_groups,
-                          linear_projection=cfg.use_linear_projection, dtype=dtype, rngs=rngs)
+                          linear_projection=cfg.use_linear_projection, scan=cfg.scan_layers, remat=cfg.remat,
+                          dtype=dtype, rngs=rngs)
             for _ in range(n_attn)] if attention else [])
         self.downsampler = (Downsample2D(cout, padding=cfg.downsample_padding, dtype=dtype, rngs=rngs)
                             if resample and kind == "down" else nnx.data(None))

@@ -165,8 +165,7 @@ def stage_overrides(stage: Stage, model_path: Path, overrides: Sequence[str] = (
     The user's ``overrides`` come after these; their ``es_manager.{train,val}.env_groups`` (e.g. more held-out
     episodes) also set the groups of the stage's tag.
     """
-    values = {key.lstrip("+"): value for key, value in
-              (item.split("=", 1) for item in [*stage.overrides, *overrides] if "=" in item)}
+    values = dict(split_section([*stage.overrides, *overrides], "es_manager")[0])
     train_groups, val_groups = values["es_manager.train.env_groups"], values["es_manager.val.env_groups"]
     return [f"model_path={model_path}", f"agent_proxy.max_turn={stage.max_turn}",
             f"actor_rollout_ref.rollout.response_length={stage.response_length}",

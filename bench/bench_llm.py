@@ -54,7 +54,7 @@ def bench_generation(peer, ours, args):
         active = jnp.ones((batch,), bool)
 
         def run_ours():
-            cache = init_cache(ours.config, batch, args.cache_slots or args.prompt + args.new_tokens)
+            cache = init_cache(ours.config, batch, slots)
             jax.block_until_ready(sampler(params, tokens, mask, cache, jax.random.key(0), active).tokens)
 
         start = time.perf_counter()

@@ -48,9 +48,11 @@ def unet_config(unet: str) -> tuple[dict, tuple[int, int, int | None]]:
 
 
 def tdd_programs(unet: dict, text: tuple[int, int, int | None], run: DistilRunConfig, mesh, *, micro_batches: int,
-                 batch: int) -> tuple[dict[str, Program], Any]:
-    """The distillation step for a diffusers UNet config; also returns the resident state."""
-    cfg = UNetConfig.from_diffusers(unet, dtype=run.unet_dtype, remat=run.remat, scan_layers=run.scan_layers)
+                 batch: int, unroll: bool = False) -> tuple[dict[str, Program], Any]:
+    """The distillation step for a diffusers UNet config (``unroll``: its attention chunks unrolled); also
+    returns the resident state."""
+    cfg = UNetConfig.from_diffusers(unet, dtype=run.unet_dtype, remat=run.remat, scan_layers=run.scan_layers,
+                                    unroll_attention=unroll)
     with nnx.use_eager_sharding(False):
         module = UNet2DConditionModel(cfg, rngs=None)
     add_lora(module, LoraConfig(rank=run.lora_rank, alpha=run.lora_alpha), nnx.Rngs(run.seed))
@@ -90,7 +92,8 @@ def tdd_rows(unet: dict, text, run: DistilRunConfig, mesh, costs: bool = True) -
 
     def one_micro_batch(depths: tuple[int, ...]) -> Program:
         shallow = dict(unet, transformer_layers_per_block=list(depths))
-        programs, _ = tdd_programs(shallow, text, unrolled, mesh, micro_batches=1, batch=run.batch_size // micro)
+        programs, _ = tdd_programs(shallow, text, unrolled, mesh, micro_batches=1, batch=run.batch_size // micro,
+                                   unroll=True)
         return programs["distill step"]
 
     depths = UNetConfig.from_diffusers(unet).transformer_layers_per_block

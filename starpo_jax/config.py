@@ -192,7 +192,7 @@ class TrainerConfig:
     project_name: str = "ragen_latest"
     experiment_name: str = "test"
     total_training_steps: int = 200
-    test_freq: int = 10  # validate every test_freq iterations; <= 0: never (RAGEN / verl)
+    test_freq: int = 10  # validate every test_freq iterations and after the last; <= 0: never (RAGEN / verl)
     save_freq: int = -1
     val_before_train: bool = True
     validation_steps: int = 1

@@ -210,7 +210,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         seg_length = jnp.concatenate([n for _, n in pieces])
         overflow = e.overflow | jnp.any(active & (s.length + seg_length > settings.max_model_len))
         tokens, mask = _right_align(seg, seg_length, pad)
-        out = sample(params, tokens, mask, s.cache, jax.random.fold_in(key, s.turn), active)
+        out = sample(params, tokens, mask, s.cache, jax.random.fold_in(key, s.turn), active, empty=first)
         ids, length = _append(s.ids, s.length, seg, seg_length)
         log_probs, _ = _append(e.log_probs, length, out.log_probs, out.lengths)
         ids, length = _append(ids, length, out.tokens, out.lengths)

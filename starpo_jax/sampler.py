@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax.sharding import Mesh
@@ -129,10 +130,11 @@ def _stopped(token, step, stop_state, config: SamplerConfig, stop: StopStrings |
 CPU_CACHE_BLOCK = 256
 
 
-def on_filled_slots(call: Callable[[KVCache], tuple[Any, KVCache]], cache: KVCache,
-                    new_tokens: int) -> tuple[Any, KVCache]:
+def on_filled_slots(call: Callable[[KVCache], tuple[Any, KVCache]], cache: KVCache, new_tokens: int,
+                    empty: bool = False) -> tuple[Any, KVCache]:
     """``call(cache) -> (out, cache)``, on the CPU given only the cache's first ``max(lengths) + new_tokens``
-    slots rounded up to ``CPU_CACHE_BLOCK``, elsewhere the whole cache.
+    slots rounded up to ``CPU_CACHE_BLOCK``, elsewhere the whole cache. ``empty`` (every length 0, known
+    when tracing) makes the prefix static: one branch instead of one per multiple of ``CPU_CACHE_BLOCK``.
 
     A cached model call attends to every slot and a decode step rewrites every slot of its layer (a select
     XLA updates in place), so on the CPU a turn's cost grows with the cache's size, not its filled length.
@@ -149,10 +151,15 @@ def on_filled_slots(call: Callable[[KVCache], tuple[Any, KVCache]], cache: KVCac
             return out, KVCache(put(cache.keys, part.keys), put(cache.values, part.values), part.lengths)
         return run
 
+    branches = [on_prefix(n) for n in sizes[:-1]] + [call]
+
     def on_cpu(cache: KVCache):
         needed = jnp.max(cache.lengths) + new_tokens
         branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), needed), len(sizes) - 1)
-        return jax.lax.switch(branch, [on_prefix(n) for n in sizes[:-1]] + [call], cache)
+        return jax.lax.switch(branch, branches, cache)
+
+    if empty:
+        on_cpu = branches[min(int(np.searchsorted(sizes, new_tokens)), len(sizes) - 1)]
 
     return jax.lax.platform_dependent(cache, cpu=on_cpu, default=call)
 
@@ -171,6 +178,7 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
         must have room for ``T + max_new_tokens`` more slots per row.
       key: PRNG key.
       active: ``[B]`` bool, rows that generate (others only append their segment).
+      empty: static; the cache holds nothing yet (a first turn), so ``on_filled_slots``'s prefix is static.
     """
     def placed(cache: KVCache) -> KVCache:
         return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
@@ -209,9 +217,9 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
         final = jax.lax.while_loop(unfed, decode, state)
         return (final.tokens, final.log_probs, final.lengths), final.cache
 
-    def sample(params: Any, tokens, mask, cache: KVCache, key, active) -> Sample:
+    def sample(params: Any, tokens, mask, cache: KVCache, key, active, empty: bool = False) -> Sample:
         run = lambda c: generate(params, tokens, mask, c, key, active)  # noqa: E731
-        out, cache = on_filled_slots(run, cache, tokens.shape[1] + config.max_new_tokens)
+        out, cache = on_filled_slots(run, cache, tokens.shape[1] + config.max_new_tokens, empty)
         return Sample(*out, cache)
 
-    return jax.jit(sample, donate_argnames="cache")
+    return jax.jit(sample, donate_argnames="cache", static_argnames="empty")

@@ -181,11 +181,14 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
                                config.trainer.early_stop_low_validation_success)
 
         def validate(step: int, actor) -> dict[str, float]:
+            clock = time.perf_counter()
             params = nnx.merge_state(actor.params, frozen)
             traj, rows = val_play(params, config.seed.val, jax.random.key(config.seed.val))
             val_tags = config.es_manager.val.env_configs.tags
             save_rollouts(out / "rollouts" / f"val_step{step}.jsonl", tokenizer, traj, rows, val_tags)
-            return episode_env_metrics(rows, traj, val_tags, "val")
+            return episode_env_metrics(rows, traj, val_tags, "val") | {"timing_s/testing": time.perf_counter() - clock}
+
+        total, test_freq = config.trainer.total_training_steps, config.trainer.test_freq
 
         exited: list[int] = []  # the step that ended the run with trainer.exit_after_gradient_analysis
 
@@ -210,13 +213,13 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
             metrics.update(episode_env_metrics(rows, traj, train_tags, "train"))
             metrics["train/success"] = float(np.mean([row["success"] for row in rows]))
             metrics.update({"timing_s/gen": generation, "timing_s/step": time.perf_counter() - clock})
-            if config.trainer.test_freq > 0 and (step + 1) % config.trainer.test_freq == 0 and not exited:
+            # every test_freq iterations and after the last, as RAGEN (agent_trainer.py: ``is_last_step``)
+            if test_freq > 0 and ((step + 1) % test_freq == 0 or step + 1 == total) and not exited:
                 validation = validate(step + 1, actor)
                 metrics |= validation | early_stop.observe_validation(validation)
                 save_rollouts(out / "rollouts" / f"train_step{step + 1}.jsonl", tokenizer, traj, rows, train_tags)
             return (actor, critic), metrics
 
-        total = config.trainer.total_training_steps
         wandb = None
         if "wandb" in config.trainer.logger:
             wandb = WandbLogger(config.trainer.project_name, config.trainer.experiment_name,

@@ -47,6 +47,7 @@ def test_trainer_runs_logs_ragen_metrics_checkpoints_and_exports(checkpoint, tmp
     last = run(checkpoint, tmp_path, steps=1)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[0]["step"] == 0 and "val/BanditTest/success" in rows[0]
+    assert "val/BanditTest/success" in last and last["timing_s/testing"] > 0  # the last step, though test_freq=2
     for name in ("train/Bandit/success", "actor/pg_loss", "actor/entropy_loss", "actor/grad_norm",
                  "critic/vf_loss", "rollout/in_group_std", "rollout/chosen_in_group_std", "timing_s/gen"):
         assert name in last, name

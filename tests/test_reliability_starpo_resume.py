@@ -44,7 +44,7 @@ def trainer_command(model: Path, out: Path, *overrides: str) -> list[str]:
             "es_manager.train.env_configs.n_groups=[2]", "es_manager.val.env_configs.tags=[BanditTest]",
             "ppo_mini_batch_size=4", "micro_batch_size_per_gpu=4", "agent_proxy.max_turn=1",
             "actor_rollout_ref.rollout.response_length=8", "actor_rollout_ref.rollout.max_model_len=1024",
-            f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=False", "trainer.test_freq=100",
+            f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=False", "trainer.test_freq=0",
             *overrides]
 
 

@@ -104,7 +104,7 @@ def test_query_chunked_attention_equals_full_attention_with_gradients():
 
 
 def test_only_the_cpu_lowering_uses_the_cpu_attention(monkeypatch):
-    """The decoder's gradient through its scanned layers: the CPU lowering runs ``runtime.cpu_attention``, a TPU
+    """The decoder's gradient through its scanned layers: the CPU lowering runs ``runtime.chunked_attention``, a TPU
     lowering costs the same FLOPs and bytes as a decoder that has no CPU branch at all (the switch sits around
     the layer loop: inside it, its index became a per-layer residual and the TPU program kept both branches)."""
     graphdef, params = numpy_initialised(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0)))

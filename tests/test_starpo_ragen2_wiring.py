@@ -127,7 +127,7 @@ def tiny_run(checkpoint, out, steps, *extra):  # noqa: F811
     return starpo.main([
         "--preset", "tiny", "--out", str(out), "--mesh", "1,-1,1", f"model_path={checkpoint}",
         "es_manager.train.env_configs.tags=[Bandit]", "es_manager.val.env_configs.tags=[BanditTest]",
-        f"trainer.total_training_steps={steps}", "trainer.test_freq=100", "trainer.val_before_train=False",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.val_before_train=False",
         "actor_rollout_ref.rollout.response_length=8", "actor_rollout_ref.rollout.max_model_len=1024",
         "agent_proxy.max_turn=1", "ppo_mini_batch_size=8", "micro_batch_size_per_gpu=1",
         "actor_rollout_ref.rollout.rollout_filter_ratio=0.25", *extra])

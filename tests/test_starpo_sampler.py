@@ -166,8 +166,9 @@ def test_sampler_on_a_mesh_equals_single_device(setup):
 
 
 def test_turns_on_the_filled_slots_of_a_larger_cache_equal_the_whole_cache(setup, monkeypatch):
-    """With 16-slot blocks, a 64-slot cache runs turn 1 on its first 16 slots and turn 2 on 32: the same
-    tokens and log-probs as the 40-slot cache used whole, the keys written in the same slots, the rest empty."""
+    """With 16-slot blocks, a 64-slot cache runs turn 1 on its first 16 slots (known statically: the cache is
+    empty) and turn 2 on 32: the same tokens and log-probs as the 40-slot cache used whole, the keys written in
+    the same slots, the rest empty."""
     params, _, turns, small, _ = setup
     monkeypatch.setattr(sampler_module, "CPU_CACHE_BLOCK", 16)
     with nnx.use_eager_sharding(False):
@@ -178,10 +179,16 @@ def test_turns_on_the_filled_slots_of_a_larger_cache_equal_the_whole_cache(setup
     active = jnp.array([True, True, True, True, True, False])
     for turn, (tokens, mask, expected) in enumerate(turns):
         assert int(cache.lengths.max()) + WIDTH + NEW <= 16 * (turn + 1)
-        out = sampler(params, tokens, mask, cache, jax.random.key(turn), active)
+        out = sampler(params, tokens, mask, cache, jax.random.key(turn), active, empty=turn == 0)
         cache = out.cache
         np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
         np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(expected.log_probs), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(small.lengths))
     np.testing.assert_allclose(np.asarray(cache.keys[:, :, :, :SLOTS]), np.asarray(small.keys), atol=1e-5)
     assert not np.asarray(cache.keys[:, :, :, SLOTS:]).any() and not np.asarray(cache.values[:, :, :, SLOTS:]).any()
+    # an empty cache (a first turn) takes its 16-slot prefix without a switch over the 4 prefixes: one copy of
+    # the turn's program (and of the conditionals inside it) instead of 4
+    tokens, mask, _ = turns[0]
+    cases = {empty: sampler.lower(params, tokens, mask, init_cache(CONFIG, BATCH, 64), jax.random.key(0), active,
+                                  empty=empty).as_text().count("stablehlo.case") for empty in (False, True)}
+    assert 0 < cases[True] < cases[False] / 3

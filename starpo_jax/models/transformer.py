@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from runtime.cpu_attention import chunked_attention, query_chunk
+from runtime.chunked_attention import chunked_attention, query_chunk
 from runtime.sharding import constrain
 from starpo_jax.models import kv_cache
 from starpo_jax.models.config import TransformerConfig
@@ -56,7 +56,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int
 
 
 def _cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """``runtime.cpu_attention.chunked_attention`` with the key/value heads repeated for their query groups.
+    """``runtime.chunked_attention.chunked_attention`` with the key/value heads repeated for their query groups.
 
     Computed in float32 (``dot_product_attention``'s softmax is float32 too).
     """
@@ -108,7 +108,7 @@ class Attention(nnx.Module):
         Args:
           positions, mask: ``[B, T]`` position ids and validity of the segment.
           cache_kv: ``(keys, values, lengths)`` of this layer, or ``None`` (no cache).
-          cpu_kernel: attend with ``runtime.cpu_attention`` (``attend``).
+          cpu_kernel: attend with ``runtime.chunked_attention`` (``attend``).
 
         Returns:
           The output ``[B, T, E]`` and the updated ``(keys, values)`` (``None`` without a cache).

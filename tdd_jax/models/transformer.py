@@ -31,12 +31,14 @@ class FeedForward(nnx.Module):
 class BasicTransformerBlock(nnx.Module):
     """Pre-LN block: ``x += attn1(norm1 x); x += attn2(norm2 x, context); x += ff(norm3 x)``."""
 
-    def __init__(self, dim: int, num_heads: int, context_dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
+    def __init__(self, dim: int, num_heads: int, context_dim: int, *, unroll: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs | None):
         head_dim = dim // num_heads
         self.norm1 = LayerNorm(dim, 1e-5, rngs=rngs)
-        self.attn1 = Attention(dim, num_heads, head_dim, dtype=dtype, rngs=rngs)
+        self.attn1 = Attention(dim, num_heads, head_dim, unroll=unroll, dtype=dtype, rngs=rngs)
         self.norm2 = LayerNorm(dim, 1e-5, rngs=rngs)
-        self.attn2 = Attention(dim, num_heads, head_dim, context_dim=context_dim, dtype=dtype, rngs=rngs)
+        self.attn2 = Attention(dim, num_heads, head_dim, context_dim=context_dim, unroll=unroll, dtype=dtype,
+                               rngs=rngs)
         self.norm3 = LayerNorm(dim, 1e-5, rngs=rngs)
         self.ff = FeedForward(dim, dtype=dtype, rngs=rngs)
 
@@ -60,11 +62,12 @@ def scan_blocks(blocks: nnx.List, tokens: jax.Array, context: jax.Array, lora_sc
 
 
 class Transformer2D(nnx.Module):
-    """Diffusers' ``Transformer2DModel`` for continuous NHWC inputs; ``scan`` / ``remat`` as ``scan_blocks``."""
+    """Diffusers' ``Transformer2DModel`` for continuous NHWC inputs; ``scan`` / ``remat`` as ``scan_blocks``,
+    ``unroll`` as ``multi_head_attention``'s."""
 
     def __init__(self, channels: int, num_heads: int, depth: int, context_dim: int, *, groups: int,
-                 linear_projection: bool, scan: bool = False, remat: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs | None):
+                 linear_projection: bool, scan: bool = False, remat: bool = False, unroll: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs | None):
         if channels % num_heads:
             raise ValueError(f"{channels} channels are not divisible by {num_heads} attention heads")
         self.norm = GroupNorm(groups, channels, 1e-6, rngs=rngs)
@@ -75,7 +78,8 @@ class Transformer2D(nnx.Module):
             self.proj_in = Conv(channels, channels, 1, dtype=dtype, rngs=rngs)
             self.proj_out = Conv(channels, channels, 1, dtype=dtype, rngs=rngs)
         self.transformer_blocks = nnx.List(
-            [BasicTransformerBlock(channels, num_heads, context_dim, dtype=dtype, rngs=rngs) for _ in range(depth)])
+            [BasicTransformerBlock(channels, num_heads, context_dim, unroll=unroll, dtype=dtype, rngs=rngs)
+             for _ in range(depth)])
         self.scan, self.remat = scan and depth > 1, remat
 
     def __call__(self, x: jax.Array, context: jax.Array, lora_scale: float = 1.0) -> jax.Array:

@@ -47,7 +47,8 @@ class UNetConfig:
 
     ``remat`` recomputes each block's activations in the backward pass; ``scan_layers`` runs each repeated
     stack of transformer blocks as one ``lax.scan`` (``tdd_jax.models.transformer.scan_blocks``; with
-    ``remat``, per block). Neither changes the parameters or the outputs.
+    ``remat``, per block); ``unroll_attention`` unrolls the TPU's loop over attention chunks (``launch.compile``'s
+    cost copies: XLA's cost analysis counts a loop body once). None changes the parameters or the outputs.
     """
 
     in_channels: int = 4
@@ -72,6 +73,7 @@ class UNetConfig:
     dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = False
+    unroll_attention: bool = False
 
     def __post_init__(self):
         n = len(self.block_out_channels)
@@ -174,7 +176,7 @@ class UNetBlock(nnx.Module):
             Transformer2D(cout, cfg.num_attention_heads[block], cfg.transformer_layers_per_block[block],
                           cfg.cross_attention_dim[block], groups=cfg.norm_num_groups,
                           linear_projection=cfg.use_linear_projection, scan=cfg.scan_layers, remat=cfg.remat,
-                          dtype=dtype, rngs=rngs)
+                          unroll=cfg.unroll_attention, dtype=dtype, rngs=rngs)
             for _ in range(n_attn)] if attention else [])
         self.downsampler = (Downsample2D(cout, padding=cfg.downsample_padding, dtype=dtype, rngs=rngs)
                             if resample and kind == "down" else nnx.data(None))

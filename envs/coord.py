@@ -46,6 +46,11 @@ def _check_format(observation_format: str) -> str:
     return observation_format
 
 
+def _one_of(obs: np.ndarray, *codes: int) -> np.ndarray:
+    """``np.isin(obs, codes)``, without its setup cost on a small board (rendering runs it every step)."""
+    return np.logical_or.reduce([obs == code for code in codes])
+
+
 def coordinate_block(shape, groups) -> str:
     """``Board size: …`` then ``{label}: (r, c), …`` for each non-empty ``(label, mask)`` group."""
     lines = [f"Board size: {shape[0]} rows x {shape[1]} cols (zero-indexed)."]
@@ -208,12 +213,12 @@ class CoordFrozenLake(FrozenLake):
 
     def text_of_obs(self, obs: np.ndarray) -> str:
         """The observation text of ``get_obs`` codes (the start is the player's cell when no code 6 shows)."""
-        player = np.isin(obs, (0, 4, 5))
+        player = _one_of(obs, 0, 4, 5)
         start = obs == START_CODE if (obs == START_CODE).any() else player
         label = PLAYER_LABELS[(0, 4, 5).index(int(obs[player][0]))]
-        goal = np.isin(obs, (3, 5))
+        goal = _one_of(obs, 3, 5)
         block = coordinate_block(obs.shape, [("Start", start), ("Goal", goal), (label, player),
-                                             ("Holes", np.isin(obs, (2, 4)))])
+                                             ("Holes", _one_of(obs, 2, 4))])
         if self.goal_offset:
             block += "\n" + goal_offset_line(tuple(np.argwhere(player)[0]), tuple(np.argwhere(goal)[0]))
         return compose(self.observation_format, block, render_grid(obs, self.grid_lookup))

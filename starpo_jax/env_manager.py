@@ -43,11 +43,15 @@ TEXT_ATTRIBUTES = ("tag", "action_names", "env_instruction", "grid_vocab", "prom
 
 @functools.lru_cache(maxsize=None)
 def _compiled(env: TextEnvironment):
-    """Reset and step of ``env`` compiled once; step k of an episode draws with ``fold_in(key, k)``."""
-    def step(key, index, state, action, params):
-        return env.step_env(jax.random.fold_in(key, index), state, action, params)
+    """Reset and step of ``env`` compiled once, from the episode's seed: step k (reset 0) draws with
+    ``fold_in(key(seed), k)``."""
+    def reset(seed, params):
+        return env.reset_env(jax.random.fold_in(jax.random.key(seed), 0), params)
 
-    return jax.jit(env.reset_env), jax.jit(step)
+    def step(seed, index, state, action, params):
+        return env.step_env(jax.random.fold_in(jax.random.key(seed), index), state, action, params)
+
+    return jax.jit(reset), jax.jit(step)
 
 
 class GymnaxHostEnv:
@@ -63,16 +67,16 @@ class GymnaxHostEnv:
         for name in TEXT_ATTRIBUTES:
             setattr(self, name, getattr(env, name))
         self._reset, self._step = _compiled(env)
-        self.state, self._key, self._steps = None, None, 0
+        self.state, self._seed, self._steps = None, None, 0
 
     def reset(self, seed: int) -> str:
-        self._key, self._steps = jax.random.key(seed), 0
-        self.state = jax.device_get(self._reset(jax.random.fold_in(self._key, 0), self.params)[1])
+        self._seed, self._steps = seed, 0
+        self.state = jax.device_get(self._reset(seed, self.params)[1])
         return self.render()
 
     def step(self, action: int) -> tuple[str, Any, bool, dict]:
         self._steps += 1
-        _, state, reward, done, info = self._step(self._key, self._steps, self.state, action, self.params)
+        _, state, reward, done, info = self._step(self._seed, self._steps, self.state, action, self.params)
         self.state, reward, done, info = jax.device_get((state, reward, done, info))
         info = {name: value.item() for name, value in info.items()}  # bool flags, numeric values as numbers
         return self.render(), self.env.reward_value(float(reward), self.params), bool(done), info

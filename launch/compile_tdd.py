@@ -3,7 +3,8 @@
 The step (teacher solver step, target and student predictions, the LoRA update) at the preset's batch,
 resolution, dtype, remat, scan_layers and micro-batches, on abstract arguments with the run's shardings. Its
 FLOPs and bytes come from unrolled copies of one micro-batch with each block's transformers at most 3 deep
-(``at_depths``), so SDXL's depth-10 stacks are costed without compiling them unrolled.
+(``at_depths``) and the TPU's attention chunks unrolled, so SDXL's depth-10 stacks are costed without compiling
+them unrolled.
 """
 
 from __future__ import annotations

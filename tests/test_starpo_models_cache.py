@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from starpo_jax.models.config import TransformerConfig
-from starpo_jax.models.kv_cache import init_cache, segment_positions
+from starpo_jax.models.kv_cache import init_cache, segment_positions, write
 from starpo_jax.models.transformer import CausalLM
 from starpo_hf_fixtures import numpy_initialised
 
@@ -28,6 +28,25 @@ def test_segment_positions_hand_worked():
     mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 0, 1]])
     np.testing.assert_array_equal(segment_positions(mask, jnp.array([0, 0, 0])), [[0, 0, 0, 1], [0, 1, 2, 3], [0, 0, 0, 1]])
     np.testing.assert_array_equal(segment_positions(mask, jnp.array([5, 2, 1])), [[4, 4, 5, 6], [2, 3, 4, 5], [0, 1, 1, 2]])
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_a_segment_scattered_into_the_stacked_cache_equals_the_layers_own_write(width):
+    """The CPU decoder writes into layer 1 of the stacked ``[L, B, K, S, D]`` cache; the other layers and the
+    other slots stay as they were; pads (the mask's zeros) are dropped."""
+    rng = np.random.default_rng(0)
+    stacked = jnp.asarray(rng.normal(size=(3, 2, 2, 8, 4)), jnp.float32)
+    new = jnp.asarray(rng.normal(size=(2, width, 2, 4)), jnp.float32)
+    mask = jnp.asarray([[1] * width, [0] + [1] * (width - 1)], jnp.int32)
+    positions = segment_positions(mask, jnp.asarray([2, 5]))
+    got = write(stacked, new, positions, mask, jnp.int32(1))
+    want = np.asarray(stacked).copy()
+    for b in range(2):
+        for t in range(width):
+            if mask[b, t]:
+                want[1, b, :, int(positions[b, t])] = new[b, t]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[1], write(stacked[1], new, positions, mask))
 
 
 def test_three_appended_segments_equal_one_forward(forward):

@@ -77,18 +77,22 @@ def attention_mask(query_positions: jax.Array, key_positions: jax.Array, key_val
     return (causal & key_valid[:, None, :])[:, None]
 
 
-def write(layer_cache: jax.Array, new: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+def write(layer_cache: jax.Array, new: jax.Array, positions: jax.Array, mask: jax.Array,
+          layer: jax.Array | None = None) -> jax.Array:
     """Writes ``new[B, T, K, D]`` into ``layer_cache[B, K, S, D]`` at slot = position; pads are dropped.
 
     One decode token (``T == 1``) is written with a select over the slots, which XLA
-    fuses and updates in place; a longer segment is scattered.
+    fuses and updates in place; a longer segment is scattered. With ``layer``, ``layer_cache`` is the stacked
+    ``[L, B, K, S, D]`` cache and the segment is scattered into layer ``layer`` of it.
     """
-    slots = jnp.where(mask.astype(bool), positions, layer_cache.shape[2])
+    slots = jnp.where(mask.astype(bool), positions, layer_cache.shape[-2])
     new = new.astype(layer_cache.dtype)
+    rows = jnp.arange(new.shape[0])[:, None]
+    if layer is not None:
+        return layer_cache.at[layer, rows, :, slots].set(new, mode="drop")
     if new.shape[1] == 1:
         hit = jnp.arange(layer_cache.shape[2])[None, :] == slots
         return jnp.where(hit[:, None, :, None], jnp.swapaxes(new, 1, 2), layer_cache)
-    rows = jnp.arange(layer_cache.shape[0])[:, None]
     return layer_cache.at[rows, :, slots].set(new, mode="drop")
 
 

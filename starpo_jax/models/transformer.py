@@ -107,11 +107,12 @@ class Attention(nnx.Module):
 
         Args:
           positions, mask: ``[B, T]`` position ids and validity of the segment.
-          cache_kv: ``(keys, values, lengths)`` of this layer, or ``None`` (no cache).
+          cache_kv: ``(keys, values, lengths, layer)``: this layer's cache (``layer`` None) or the stacked
+            cache and this layer's index; or ``None`` (no cache).
           cpu_kernel: attend with ``runtime.chunked_attention`` (``attend``).
 
         Returns:
-          The output ``[B, T, E]`` and the updated ``(keys, values)`` (``None`` without a cache).
+          The output ``[B, T, E]`` and the updated ``(keys, values)`` as given (``None`` without a cache).
         """
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
@@ -121,10 +122,12 @@ class Attention(nnx.Module):
         if cache_kv is None:
             key_positions, key_valid, new_kv = positions, mask, None
         else:
-            cache_k, cache_v, lengths = cache_kv
-            k = kv_cache.write(cache_k, k, positions, mask)
-            v = kv_cache.write(cache_v, v, positions, mask)
+            cache_k, cache_v, lengths, layer = cache_kv
+            k = kv_cache.write(cache_k, k, positions, mask, layer)
+            v = kv_cache.write(cache_v, v, positions, mask, layer)
             new_kv = (k, v)
+            if layer is not None:
+                k, v = k[layer], v[layer]
             key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[2])
             k, v = jnp.swapaxes(k, 1, 2).astype(q.dtype), jnp.swapaxes(v, 1, 2).astype(q.dtype)
         bias_mask = kv_cache.attention_mask(positions, key_positions, key_valid)
@@ -194,14 +197,20 @@ class Decoder(nnx.Module):
             new_lengths = lengths + jnp.sum(mask, axis=-1, dtype=jnp.int32)
 
             # The cache rides in the carry and each layer's slice is updated in place: scanning it as
-            # xs -> ys would hold a second full cache (the decode loop's largest buffer).
+            # xs -> ys would hold a second full cache (the decode loop's largest buffer). On the CPU the
+            # segment is scattered into the stacked cache and the layer's slice read once; XLA:CPU would
+            # otherwise copy the slice out, select the new token in and copy it back (three passes per step).
             def body(carry, inputs, cpu_kernel):
                 h, keys, values = carry
                 state, layer = inputs
-                h, (k, v) = nnx.merge(graphdef, state)(h, positions, mask, (keys[layer], values[layer], new_lengths),
-                                                       cpu_kernel)
-                update = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, layer, 0)  # noqa: E731
-                return (constrain(h, RESIDUAL), update(keys, k), update(values, v)), None
+                block = nnx.merge(graphdef, state)
+                if cpu_kernel:
+                    h, (keys, values) = block(h, positions, mask, (keys, values, new_lengths, layer), cpu_kernel)
+                else:
+                    h, (k, v) = block(h, positions, mask, (keys[layer], values[layer], new_lengths, None), cpu_kernel)
+                    update = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, layer, 0)  # noqa: E731
+                    keys, values = update(keys, k), update(values, v)
+                return (constrain(h, RESIDUAL), keys, values), None
             carry, xs = (x, cache.keys, cache.values), (layer_state, jnp.arange(self.config.num_layers))
 
         def layers(carry, xs, cpu_kernel):

@@ -136,8 +136,8 @@ def on_filled_slots(call: Callable[[KVCache], tuple[Any, KVCache]], cache: KVCac
     slots rounded up to ``CPU_CACHE_BLOCK``, elsewhere the whole cache. ``empty`` (every length 0, known
     when tracing) makes the prefix static: one branch instead of one per multiple of ``CPU_CACHE_BLOCK``.
 
-    A cached model call attends to every slot and a decode step rewrites every slot of its layer (a select
-    XLA updates in place), so on the CPU a turn's cost grows with the cache's size, not its filled length.
+    A cached model call attends to every slot and reads each layer's whole slice, so on the CPU a turn's cost
+    grows with the cache's size, not its filled length.
     The sampler runs a whole turn (prefill and decode loop) in one call, so the branch and its copy of the
     prefix happen once per turn. Unfilled slots are masked out of attention: the output is the whole cache's.
     """

@@ -134,6 +134,7 @@ class DemoConfig:
             "trainer.total_training_steps=10", "trainer.test_freq=10", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
             "agent_proxy.max_actions_per_turn=1", "agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True",
+            "rollout_chunks=2",
             "actor_rollout_ref.actor.optim.lr=5e-4", "critic.optim.lr=1e-3")),
     )
 

@@ -288,6 +288,9 @@ class StarPOConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
     attention_chunk: int = 0
+    # The fused driver plays each rollout as this many programs over equal parts of every tag's rows, run
+    # concurrently (``starpo_jax.fused_rollout``): the same trajectories, more of a CPU's cores busy.
+    rollout_chunks: int = 1
     seed: SeedConfig = SeedConfig()
     lora: LoraConfig = LoraConfig()
     actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()

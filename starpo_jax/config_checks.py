@@ -128,6 +128,15 @@ def _validate_rollout(config: StarPOConfig) -> None:
     _require(proxy.max_context_window == -1 or proxy.max_context_window >= 1,
              f"agent_proxy.max_context_window must be -1 or >= 1, got {proxy.max_context_window}")
     validate_prompt_keys(proxy.prompt_layout, proxy.context_window_mode)
+    _require(config.rollout_chunks >= 1, f"rollout_chunks must be >= 1, got {config.rollout_chunks}")
+    _require(config.rollout_chunks == 1 or proxy.rollout_driver == "fused",
+             f"rollout_chunks={config.rollout_chunks} splits the fused driver's rollout program; "
+             f"agent_proxy.rollout_driver={proxy.rollout_driver} has none: set agent_proxy.rollout_driver=fused "
+             f"or leave rollout_chunks=1")
+    for name, groups in (("train", config.es_manager.train), ("val", config.es_manager.val)):
+        _require(all(n * groups.group_size % config.rollout_chunks == 0 for n in groups.env_configs.n_groups),
+                 f"rollout_chunks={config.rollout_chunks} must divide every tag's rollouts of es_manager.{name} "
+                 f"(n_groups {list(groups.env_configs.n_groups)} x group_size {groups.group_size})")
     if proxy.rollout_driver == "fused":
         tags = config.es_manager.train.env_configs.tags + config.es_manager.val.env_configs.tags
         host_only = [t for t in tags if not runs_on_device(config.custom_envs[t].env_type)]

@@ -20,6 +20,7 @@ seeds and greedy decoding both drivers then give identical trajectories.
 from __future__ import annotations
 
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -49,6 +50,7 @@ class FusedRollout(NamedTuple):
     block_sizes: tuple[int, ...]
     settings: RolloutSettings
     mesh: Mesh | None
+    chunks: int = 1
 
 
 class FusedEpisode(NamedTuple):
@@ -158,8 +160,12 @@ def _play_actions(tables: EnvTables, block: _Block, action_ids, num_actions, ste
 
 def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, sampler_config: SamplerConfig,
                        tables: Sequence[EnvTables], block_sizes: Sequence[int], tokenizer: Any,
-                       settings: RolloutSettings, mesh: Mesh | None = None) -> FusedRollout:
-    """Compiles ``run(params, seeds, key) -> FusedEpisode`` for rows grouped by tag.
+                       settings: RolloutSettings, mesh: Mesh | None = None, chunks: int = 1) -> FusedRollout:
+    """Compiles ``run(params, seeds, key, rows) -> FusedEpisode`` for rows grouped by tag.
+
+    With ``chunks`` > 1 the program plays ``1 / chunks`` of every block's rows, ``rows`` their indices in the
+    whole batch (whose draws each row takes: ``starpo_jax.sampler.choose``); ``fused_rollout`` runs the
+    chunks concurrently, which keeps more cores busy than one program of small operations does on a CPU.
 
     Rows ``sum(block_sizes[:b])`` onwards (``block_sizes[b]`` of them) play ``tables[b]``'s
     environment; row i's environment is reset with ``seeds[i]`` exactly as ``GymnaxHostEnv``
@@ -177,7 +183,11 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     if eos not in sampler_config.stop_ids:
         raise ValueError(f"SamplerConfig.stop_ids must contain the EOS id {eos}, got {sampler_config.stop_ids}")
-    sample = make_sampler(graphdef, sampler_config, mesh=mesh)
+    if chunks < 1 or any(n % chunks for n in block_sizes):
+        raise ValueError(f"rollout_chunks={chunks} must be >= 1 and divide every block's rows {list(block_sizes)}")
+    total_rows = sum(block_sizes)
+    sample = make_sampler(graphdef, sampler_config, mesh=mesh, total_rows=total_rows if chunks > 1 else None)
+    block_sizes = [n // chunks for n in block_sizes]
     starts = np.cumsum([0, *block_sizes])
     tail = make_piece([tokenizer.encode(training_tail(tokenizer, _finished_slot(), settings), add_special_tokens=False)])
     max_budget = max(t.env.max_actions_per_traj for t in tables)
@@ -200,7 +210,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
             ids, count = _concat([eos_ids, fixed(t.head, 0), reward, fixed(t.turn, turn_number), state, after])
         return ids, jnp.where(active, count, 0)
 
-    def turn_body(params, key, first: bool, s: _Loop) -> _Loop:
+    def turn_body(params, key, rows, first: bool, s: _Loop) -> _Loop:
         e = s.episode
         active = ~e.terminated
         pieces = [segment(t, b, first, s.turn, s.ended[lo:hi], s.warned[lo:hi], e.num_actions[lo:hi], active[lo:hi])
@@ -210,7 +220,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         seg_length = jnp.concatenate([n for _, n in pieces])
         overflow = e.overflow | jnp.any(active & (s.length + seg_length > settings.max_model_len))
         tokens, mask = _right_align(seg, seg_length, pad)
-        out = sample(params, tokens, mask, s.cache, jax.random.fold_in(key, s.turn), active, empty=first)
+        out = sample(params, tokens, mask, s.cache, jax.random.fold_in(key, s.turn), active, rows, empty=first)
         ids, length = _append(s.ids, s.length, seg, seg_length)
         log_probs, _ = _append(e.log_probs, length, out.log_probs, out.lengths)
         ids, length = _append(ids, length, out.tokens, out.lengths)
@@ -245,7 +255,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                                                    for k in columns[0]})
         return _Loop(s.turn + 1, out.cache, ids, length, ended, jnp.concatenate(warned), tuple(blocks), episode)
 
-    def rollout(params, seeds, key) -> FusedEpisode:
+    def rollout(params, seeds, key, rows=None) -> FusedEpisode:
         batch = seeds.shape[0]
         cache = init_cache(model_config, batch, settings.max_model_len + sampler_config.max_new_tokens)
         if mesh is not None:
@@ -264,9 +274,9 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
                                jnp.zeros((batch, settings.max_turn), jnp.int32), zeros, zeros, zeros, zeros, zeros,
                                false, false, jnp.full((batch, max_budget), jnp.nan, jnp.float32), jnp.bool_(False))
         state = _Loop(jnp.int32(0), cache, episode.ids, zeros, jnp.ones(batch, bool), false, tuple(blocks), episode)
-        state = turn_body(params, key, True, state)
+        state = turn_body(params, key, rows, True, state)
         final = jax.lax.while_loop(lambda s: (s.turn < settings.max_turn) & jnp.any(~s.episode.terminated),
-                                   lambda s: turn_body(params, key, False, s), state)
+                                   lambda s: turn_body(params, key, rows, False, s), state)
         ids, length = _append(final.ids, final.length, jnp.full((batch, 1), eos, jnp.int32),
                               jnp.where(final.ended, 0, 1).astype(jnp.int32))
         ids, length = _append(ids, length, jnp.broadcast_to(tail.ids, (batch, tail.ids.shape[1])),
@@ -274,7 +284,8 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         env_metrics = tuple(jax.vmap(t.env.episode_metrics)(b.env_state) for t, b in zip(tables, final.blocks))
         return final.episode._replace(ids=ids, length=length, env_metrics=env_metrics)
 
-    return FusedRollout(jax.jit(rollout), tuple(tables), tuple(block_sizes), settings, mesh)
+    return FusedRollout(jax.jit(rollout), tuple(tables), tuple(n * chunks for n in block_sizes), settings, mesh,
+                        chunks)
 
 
 def _finished_slot() -> Slot:
@@ -298,6 +309,37 @@ def _turn_infos(raw: list[float], scores: np.ndarray, turn_actions: np.ndarray) 
     return infos
 
 
+def _chunk_rows(block_sizes: Sequence[int], chunks: int) -> list[np.ndarray]:
+    """Each chunk's rows in the whole batch: the chunk-th ``1 / chunks`` of every block, block by block."""
+    starts = np.cumsum([0, *block_sizes])
+    return [np.concatenate([start + np.arange(c * n // chunks, (c + 1) * n // chunks)
+                            for start, n in zip(starts, block_sizes)]) for c in range(chunks)]
+
+
+def _play(program: FusedRollout, params: Any, seeds: np.ndarray, key: jax.Array) -> FusedEpisode:
+    """The compiled episode on the host; with ``program.chunks`` > 1 the chunks run concurrently (JAX releases
+    the GIL while a program runs) and their rows are put back in the batch's order."""
+    def run(rows: np.ndarray | None) -> FusedEpisode:
+        inputs = [jnp.asarray(seeds if rows is None else seeds[rows], jnp.int32)]
+        if rows is not None:
+            inputs.append(jnp.asarray(rows, jnp.int32))
+        if program.mesh is not None:
+            inputs = [jax.device_put(x, batch_sharding(program.mesh, 1)) for x in inputs]
+        return jax.device_get(program.run(params, inputs[0], key, *inputs[1:]))
+
+    if program.chunks == 1:
+        return run(None)
+    rows = _chunk_rows(program.block_sizes, program.chunks)
+    with ThreadPoolExecutor(program.chunks) as pool:
+        parts = list(pool.map(run, rows))
+    order = np.argsort(np.concatenate(rows))
+    per_row = [p._replace(overflow=None, env_metrics=None) for p in parts]
+    merged = jax.tree.map(lambda *xs: np.concatenate(xs)[order], *per_row)
+    env_metrics = tuple(jax.tree.map(lambda *xs: np.concatenate(xs), *[p.env_metrics[b] for p in parts])
+                        for b in range(len(program.block_sizes)))
+    return merged._replace(overflow=any(bool(p.overflow) for p in parts), env_metrics=env_metrics)
+
+
 class FusedOutput(NamedTuple):
     """The trajectories and RAGEN's per-trajectory env metrics (``env_manager.slot_metrics``), per row."""
 
@@ -318,10 +360,7 @@ def fused_rollout(program: FusedRollout, params: Any, tokenizer: Any, seeds: Seq
     if len(seeds) != len(tag_ids) or len(group_ids) != len(tag_ids):
         raise ValueError(f"seeds and group_ids need {len(tag_ids)} entries (block sizes {program.block_sizes}), "
                          f"got {len(seeds)} and {len(group_ids)}")
-    seeds_array = jnp.asarray(seeds, jnp.int32)
-    if program.mesh is not None:
-        seeds_array = jax.device_put(seeds_array, batch_sharding(program.mesh, 1))
-    episode = jax.device_get(program.run(params, seeds_array, key))
+    episode = _play(program, params, np.asarray(seeds), key)
     if episode.overflow:
         raise ValueError(f"a prompt exceeds max_model_len={settings.max_model_len} tokens")
     sequences = [row[:n] for row, n in zip(episode.ids, episode.length)]

@@ -73,7 +73,8 @@ def fused_driver(config: StarPOConfig, groups: EnvGroupsConfig, graphdef, model_
     tables = [build_env_tables(envs.make(tag, config.custom_envs), tokenizer, settings)
               for tag in groups.env_configs.tags]
     sizes = [n * groups.group_size for n in groups.env_configs.n_groups]
-    program = make_fused_rollout(graphdef, model_config, sampler_config, tables, sizes, tokenizer, settings, mesh)
+    program = make_fused_rollout(graphdef, model_config, sampler_config, tables, sizes, tokenizer, settings, mesh,
+                                 config.rollout_chunks)
     group_ids = np.repeat(np.arange(groups.env_groups), groups.group_size)
 
     def play(params, seed: int, key):

@@ -92,14 +92,24 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
-def choose(logits: jax.Array, key: jax.Array, config: SamplerConfig) -> tuple[jax.Array, jax.Array]:
-    """Next tokens ``[B]`` and their log-probabilities under ``softmax(logits / temperature)``."""
+def choose(logits: jax.Array, key: jax.Array, config: SamplerConfig,
+           rows: tuple[jax.Array, int] | None = None) -> tuple[jax.Array, jax.Array]:
+    """Next tokens ``[B]`` and their log-probabilities under ``softmax(logits / temperature)``.
+
+    ``rows``: ``(indices[B], total)`` when these rows are a slice of a ``total``-row batch: each row then takes
+    the Gumbel noise of its index in the whole batch (``jax.random.categorical``'s draw of ``[total, V]``
+    logits), so a batch played in slices samples what it samples whole.
+    """
     temperature = 1.0 if config.greedy else config.temperature
     log_probs = jax.nn.log_softmax(logits / temperature, axis=-1)
     if config.greedy:
         tokens = jnp.argmax(logits, axis=-1)
-    else:
+    elif rows is None:
         tokens = jax.random.categorical(key, filter_logits(log_probs, config.top_k, config.top_p), axis=-1)
+    else:
+        indices, total = rows
+        noise = jax.random.gumbel(key, (total, logits.shape[-1]), log_probs.dtype)[indices]
+        tokens = jnp.argmax(noise + filter_logits(log_probs, config.top_k, config.top_p), axis=-1)
     return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
 
 
@@ -165,8 +175,11 @@ def on_filled_slots(call: Callable[[KVCache], tuple[Any, KVCache]], cache: KVCac
 
 
 def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopStrings | None = None,
-                 mesh: Mesh | None = None) -> Callable:
-    """Compiles ``sample(params, tokens, mask, cache, key, active) -> Sample``.
+                 mesh: Mesh | None = None, total_rows: int | None = None) -> Callable:
+    """Compiles ``sample(params, tokens, mask, cache, key, active, rows=None) -> Sample``.
+
+    With ``total_rows`` each call samples a slice of a ``total_rows``-row batch, ``rows`` its rows' indices in
+    it, and draws as the whole batch would (``choose``).
 
     With ``mesh``, the cache is kept on ``cache_shardings`` (batch over the data axes,
     kv heads over ``tensor``) at every decode step instead of wherever propagation puts it.
@@ -178,17 +191,19 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
         must have room for ``T + max_new_tokens`` more slots per row.
       key: PRNG key.
       active: ``[B]`` bool, rows that generate (others only append their segment).
+      rows: ``[B]`` int32 indices of the rows in the whole batch (with ``total_rows``).
       empty: static; the cache holds nothing yet (a first turn), so ``on_filled_slots``'s prefix is static.
     """
     def placed(cache: KVCache) -> KVCache:
         return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
 
-    def generate(params: Any, tokens, mask, cache: KVCache, key, active) -> tuple[tuple, KVCache]:
+    def generate(params: Any, tokens, mask, cache: KVCache, key, active, rows) -> tuple[tuple, KVCache]:
         model = nnx.merge(graphdef, params)
+        slice_of = None if total_rows is None else (rows, total_rows)
         batch, n = tokens.shape[0], config.max_new_tokens
         hidden, cache = model.model(tokens, mask, cache)  # only the last position needs logits
         cache = placed(cache)
-        token, log_prob = choose(model.logits(hidden[:, -1]), jax.random.fold_in(key, 0), config)
+        token, log_prob = choose(model.logits(hidden[:, -1]), jax.random.fold_in(key, 0), config, slice_of)
         num_strings = 0 if stop is None else stop.transitions.shape[0]
         ended, stop_state = _stopped(token, jnp.int32(0), jnp.zeros((batch, num_strings), jnp.int32), config, stop)
         state = _Loop(
@@ -204,7 +219,7 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
             feed = s.lengths >= s.step
             logits, cache = model(s.token[:, None], feed[:, None], s.cache)
             cache = placed(cache)
-            token, log_prob = choose(logits[:, 0], jax.random.fold_in(key, s.step), config)
+            token, log_prob = choose(logits[:, 0], jax.random.fold_in(key, s.step), config, slice_of)
             ended, stop_state = _stopped(token, s.step, s.stop_state, config, stop)
             column = jnp.minimum(s.step, n - 1)
             return _Loop(
@@ -217,8 +232,11 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
         final = jax.lax.while_loop(unfed, decode, state)
         return (final.tokens, final.log_probs, final.lengths), final.cache
 
-    def sample(params: Any, tokens, mask, cache: KVCache, key, active, empty: bool = False) -> Sample:
-        run = lambda c: generate(params, tokens, mask, c, key, active)  # noqa: E731
+    def sample(params: Any, tokens, mask, cache: KVCache, key, active, rows=None, empty: bool = False) -> Sample:
+        if (rows is None) != (total_rows is None):
+            raise ValueError(f"rows (the slice's row indices) are given exactly when total_rows is; total_rows="
+                             f"{total_rows}, rows {'absent' if rows is None else 'given'}")
+        run = lambda c: generate(params, tokens, mask, c, key, active, rows)  # noqa: E731
         out, cache = on_filled_slots(run, cache, tokens.shape[1] + config.max_new_tokens, empty)
         return Sample(*out, cache)
 

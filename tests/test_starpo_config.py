@@ -168,6 +168,10 @@ def replace_path(config, dotted, value):
     ({"agent_proxy.rollout_driver": "fused", "train_on_sampled_ids": True, "agent_proxy.max_context_window": 2},
      "rollout_driver=fused does not support agent_proxy.max_context_window: the cut history is re-rendered"),
     ({"agent_proxy.max_context_window": 2, "train_on_sampled_ids": True}, "max_context_window re-renders"),
+    ({"rollout_chunks": 0}, "rollout_chunks must be >= 1"),
+    ({"rollout_chunks": 2}, "rollout_chunks=2 splits the fused driver's rollout program; agent_proxy.rollout_driver"),
+    ({"agent_proxy.rollout_driver": "fused", "train_on_sampled_ids": True, "rollout_chunks": 3},
+     r"rollout_chunks=3 must divide every tag's rollouts of es_manager.train \(n_groups \[8\] x group_size 16\)"),
 ])
 def test_invalid_configs_fail_with_the_field_name(fields, match):
     config = StarPOConfig()

@@ -153,6 +153,31 @@ def test_fused_on_eight_devices_equals_host_on_bandit_and_frozen_lake(setup, wei
         assert all(s.num_actions == 0 and len(s.history) == SETTINGS.max_turn + 1 for s in slots)
 
 
+def test_a_rollout_played_in_concurrent_chunks_samples_what_it_samples_whole(setup):
+    """Sampling at T = 1 from the random policy, two blocks of 4 rows: ``chunks=2`` runs two programs of 2 + 2
+    rows each (rows 0-1 and 4-5, then 2-3 and 6-7), and every row draws as in the whole batch: the same
+    trajectories, sampled log-probs equal to float32 rounding."""
+    sampled = SamplerConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, stop_ids=(setup["tokenizer"].eos_token_id,),
+                            pad_id=setup["tokenizer"].pad_token_id)
+    seeds = (11, 12, 13, 14, 62, 107, 63, 64)
+    outs = []
+    for chunks in (1, 2):
+        program = make_fused_rollout(setup["graphdef"], setup["config"], sampled, setup["tables"][:2], (4, 4),
+                                     setup["tokenizer"], SETTINGS, chunks=chunks)
+        outs.append(fused_rollout(program, setup["random"], setup["tokenizer"], seeds, range(8), jax.random.key(3)))
+    (whole, whole_metrics), (chunked, chunked_metrics) = outs
+    for name, a, b in zip(whole._fields, whole, chunked):
+        if name == "rollout_log_probs":  # the same tokens; a log-softmax over fewer rows rounds differently
+            np.testing.assert_allclose(a, b, atol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    assert whole_metrics == chunked_metrics
+    assert len({len(row) for row in whole.input_ids.tolist()}) == 1 and whole.loss_mask.sum(axis=1).min() > 0
+    with pytest.raises(ValueError, match="rollout_chunks=3 must be >= 1 and divide every block's rows"):
+        make_fused_rollout(setup["graphdef"], setup["config"], sampled, setup["tables"][:2], (4, 4),
+                           setup["tokenizer"], SETTINGS, chunks=3)
+
+
 def test_reward_automaton_spells_python_sums():
     env = envs.make("SimpleSokoban")
     params = env.default_params

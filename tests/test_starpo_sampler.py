@@ -121,6 +121,19 @@ def test_choose_greedy_and_sampling_frequencies():
     np.testing.assert_allclose(log_probs, np.log(tempered[np.asarray(tokens)]), rtol=1e-5)
 
 
+def test_rows_of_a_batch_sampled_in_slices_draw_what_they_draw_whole():
+    logits = jax.random.normal(jax.random.key(3), (12, 40))
+    config = SamplerConfig(1, temperature=0.7, top_p=0.9)
+    whole, whole_lp = choose(logits, jax.random.key(4), config)
+    np.testing.assert_array_equal(choose(logits, jax.random.key(4), config, (jnp.arange(12), 12))[0], whole)
+    rows = np.array([[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]])  # two blocks of 6 rows, each split in halves
+    for part in rows:
+        tokens, log_probs = choose(logits[part], jax.random.key(4), config, (jnp.asarray(part), 12))
+        np.testing.assert_array_equal(tokens, np.asarray(whole)[part])
+        np.testing.assert_allclose(log_probs, np.asarray(whole_lp)[part], rtol=1e-6)
+    assert not (np.asarray(choose(logits[rows[1]], jax.random.key(4), config)[0]) == np.asarray(whole)[rows[1]]).all()
+
+
 def test_stop_string_automaton_matches_substring_search():
     pieces = ["</", "answer", ">", "</answer>", "a", "</ans", "wer>", "x", "<", "/", "swer", "an", ">\n", "r><"]
     stop = stop_string_automaton(pieces, ["</answer>", "r><"], 20)

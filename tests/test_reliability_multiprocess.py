@@ -13,11 +13,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_steps_worker.py")
 
 
 def worker_env(devices: int) -> dict[str, str]:
-    """The test session's JAX settings (fast compiles, shared cache) for a worker with ``devices`` CPU devices."""
+    """The test session's JAX settings (fast compiles) for a worker with ``devices`` CPU devices."""
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-                JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.values["jax_disable_most_optimizations"]),
-                JAX_COMPILATION_CACHE_DIR=str(jax.config.values["jax_compilation_cache_dir"]),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+                JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.values["jax_disable_most_optimizations"]))
 
 
 def test_two_processes_equal_one_and_their_checkpoint_restores_in_one(tmp_path):

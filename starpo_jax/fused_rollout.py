@@ -187,8 +187,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         raise ValueError(f"rollout_chunks={chunks} must be >= 1 and divide every block's rows {list(block_sizes)}")
     total_rows = sum(block_sizes)
     sample = make_sampler(graphdef, sampler_config, mesh=mesh, total_rows=total_rows if chunks > 1 else None)
-    block_sizes = [n // chunks for n in block_sizes]
-    starts = np.cumsum([0, *block_sizes])
+    starts = np.cumsum([0, *(n // chunks for n in block_sizes)])
     tail = make_piece([tokenizer.encode(training_tail(tokenizer, _finished_slot(), settings), add_special_tokens=False)])
     max_budget = max(t.env.max_actions_per_traj for t in tables)
 
@@ -284,8 +283,7 @@ def make_fused_rollout(graphdef: nnx.GraphDef, model_config: TransformerConfig, 
         env_metrics = tuple(jax.vmap(t.env.episode_metrics)(b.env_state) for t, b in zip(tables, final.blocks))
         return final.episode._replace(ids=ids, length=length, env_metrics=env_metrics)
 
-    return FusedRollout(jax.jit(rollout), tuple(tables), tuple(n * chunks for n in block_sizes), settings, mesh,
-                        chunks)
+    return FusedRollout(jax.jit(rollout), tuple(tables), tuple(block_sizes), settings, mesh, chunks)
 
 
 def _finished_slot() -> Slot:

@@ -104,12 +104,14 @@ def choose(logits: jax.Array, key: jax.Array, config: SamplerConfig,
     log_probs = jax.nn.log_softmax(logits / temperature, axis=-1)
     if config.greedy:
         tokens = jnp.argmax(logits, axis=-1)
-    elif rows is None:
-        tokens = jax.random.categorical(key, filter_logits(log_probs, config.top_k, config.top_p), axis=-1)
     else:
-        indices, total = rows
-        noise = jax.random.gumbel(key, (total, logits.shape[-1]), log_probs.dtype)[indices]
-        tokens = jnp.argmax(noise + filter_logits(log_probs, config.top_k, config.top_p), axis=-1)
+        filtered = filter_logits(log_probs, config.top_k, config.top_p)
+        if rows is None:
+            tokens = jax.random.categorical(key, filtered, axis=-1)
+        else:
+            indices, total = rows
+            noise = jax.random.gumbel(key, (total, logits.shape[-1]), log_probs.dtype)[indices]
+            tokens = jnp.argmax(noise + filtered, axis=-1)
     return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
 
 

@@ -61,8 +61,7 @@ def decoder_config(model: str, config: StarPOConfig) -> TransformerConfig:
     """A named shape (``DECODERS``) or a Hugging Face ``config.json`` (file or folder), with the run's numerics."""
     if model not in DECODERS and not Path(model).exists():
         raise ValueError(f"--model {model!r} is neither a named shape ({', '.join(DECODERS)}) nor a config.json path")
-    return TransformerConfig.from_hf(DECODERS.get(model, model), dtype=config.dtype, param_dtype=config.param_dtype,
-                                     remat=config.remat, attention_chunk=config.attention_chunk)
+    return TransformerConfig.from_hf(DECODERS.get(model, model), **config.numerics)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

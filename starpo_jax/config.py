@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tyro
 
@@ -303,6 +303,12 @@ class StarPOConfig:
     # Parsed apart from the tree (``starpo_jax.custom_envs``): its tags are the user's to name.
     custom_envs: Annotated[Mapping[str, EnvEntry], tyro.conf.Suppress] = dataclasses.field(
         default_factory=lambda: dict(CUSTOM_ENVS))
+
+    @property
+    def numerics(self) -> dict[str, Any]:
+        """The model's numerics this run sets: keyword arguments of ``TransformerConfig`` and ``load_pretrained``."""
+        return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat,
+                    attention_chunk=self.attention_chunk)
 
     @property
     def use_critic(self) -> bool:

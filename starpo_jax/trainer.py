@@ -148,13 +148,11 @@ def train_in(config: StarPOConfig, mesh: Mesh, run: RunFolder, rollout_bucket: i
     rollout_cfg = config.actor_rollout_ref.rollout
     train_tags = config.es_manager.train.env_configs.tags
     with jax.set_mesh(mesh):
-        numerics = dict(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat,
-                        attention_chunk=config.attention_chunk)
-        policy = load_pretrained(config.model_path, mesh, lora=lora, seed=config.seed.train, **numerics)
+        policy = load_pretrained(config.model_path, mesh, lora=lora, seed=config.seed.train, **config.numerics)
         critic_model = None
         if config.use_critic:
             critic_model = load_pretrained(config.model_path, mesh, critic=True, lora=lora, seed=config.seed.train,
-                                           **numerics)
+                                           **config.numerics)
         learner, actor, critic, graphdef = build_learner(config, policy, critic_model, mesh)
         frozen = learner.actor_frozen
         stop = (tokenizer.eos_token_id,)

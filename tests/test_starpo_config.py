@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 
 from starpo_jax.config import StarPOConfig, resolve
@@ -194,3 +195,14 @@ def test_unknown_preset_and_wrong_section_type():
         load_config("starpo-x")
     with pytest.raises(TypeError, match="seed must be a SeedConfig section"):
         validate(dataclasses.replace(resolve(StarPOConfig()), seed=3))
+
+
+def test_the_runs_numerics_reach_the_model_config_launch_compile_builds():
+    """``StarPOConfig.numerics`` (what the trainer passes to ``load_pretrained``) sets the decoder's fields."""
+    from launch.compile import decoder_config
+
+    config = dataclasses.replace(StarPOConfig(), dtype="bfloat16", param_dtype="bfloat16", remat=True,
+                                 attention_chunk=64)
+    model = decoder_config("Qwen2.5-0.5B", config)
+    assert {key: getattr(model, key) for key in config.numerics} == config.numerics
+    assert model.compute_dtype == jnp.bfloat16 and model.weight_dtype == jnp.bfloat16

@@ -123,14 +123,14 @@ class DemoConfig:
     # ``critic.optim.lr`` counts when a PPO preset (``--preset starpo-s-ppo``) trains a critic.
     stages: tuple[Stage, ...] = (
         Stage("Bandit", 1, 16, 320, (
-            "es_manager.train.env_groups=8", "es_manager.train.group_size=8", "es_manager.val.env_groups=128",
+            "es_manager.train.env_groups=8", "es_manager.train.group_size=8", "es_manager.val.env_groups=640",
             "trainer.total_training_steps=20", "trainer.test_freq=20", "ppo_mini_batch_size=16",
             "micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.rollout_filter_ratio=0.25",
             "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3")),
         # 1,408 tokens hold the longest episode the fused driver can lay out (a first turn of 386 token places, 4
         # more of 224, 5 replies of 16: 1,362), so no held-out episode outgrows the context.
         Stage("CoordFrozenLake", 5, 16, 1408, (
-            "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=256",
+            "es_manager.train.env_groups=16", "es_manager.train.group_size=4", "es_manager.val.env_groups=640",
             "trainer.total_training_steps=10", "trainer.test_freq=10", "ppo_mini_batch_size=8",
             "micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.rollout_filter_ratio=0.5",
             "agent_proxy.max_actions_per_turn=1", "agent_proxy.rollout_driver=fused", "train_on_sampled_ids=True",

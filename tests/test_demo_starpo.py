@@ -106,13 +106,13 @@ def test_seed_grid_parsing_and_sampling_keys():
 
 
 def test_a_users_held_out_episodes_set_the_stages_groups():
-    """``es_manager.val.env_groups=640`` validates the stage's tag on 640 groups (the demo's own is 256)."""
+    """``es_manager.val.env_groups=1280`` validates the stage's tag on 1,280 groups (the demo's own is 640)."""
     lake = demo_starpo.DemoConfig().stages[-1]
-    user = ["es_manager.val.env_groups=640"]
+    user = ["es_manager.val.env_groups=1280"]
     keys = [*demo_starpo.LAKE_KEYS, *demo_starpo.stage_overrides(lake, Path("m"), user), *user]
     config = load_config(demo_starpo.DEMO_PRESET, keys)
-    assert config.es_manager.val.env_groups == 640
-    assert list(config.es_manager.val.env_configs.n_groups) == [640]
+    assert config.es_manager.val.env_groups == 1280
+    assert list(config.es_manager.val.env_configs.n_groups) == [1280]
     assert list(config.es_manager.train.env_configs.n_groups) == [16]
 
 

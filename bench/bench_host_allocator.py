@@ -1,8 +1,8 @@
-"""XLA:CPU steps with glibc's malloc as the launch scripts set it (``runtime.host_allocator``) vs glibc's default.
+"""XLA:CPU steps with glibc's malloc as ``launch.starpo`` sets it (``runtime.host_allocator``) vs glibc's default.
 
 The workload is the demo's SFT step (``starpo_jax.sft``: its 2-layer policy, hidden 128, vocabulary 768,
-batch 16) at two widths, in two fresh processes per round, taking turns: ``ours`` imports ``launch``
-(which keeps freed memory), ``glibc`` sets ``GLIBC_TUNABLES`` to nothing, so glibc keeps its defaults. Each
+batch 16) at two widths, in two fresh processes per round, taking turns: ``ours`` calls ``keep_freed_memory``
+first, ``glibc`` sets ``GLIBC_TUNABLES`` to nothing, so glibc keeps its defaults. Each
 prints the median step time per width after one compiling step, and its minor page faults and system
 time. The table gives the medians over rounds and the ratio ours / glibc (< 1: ours is faster).
 Run: ``python -m bench.bench_host_allocator`` (``--help`` for sizes).
@@ -25,7 +25,8 @@ VARIANTS = {"ours": {}, "glibc": {"GLIBC_TUNABLES": ""}}
 
 def child(steps: int, widths: list[int]) -> dict:
     """Times ``steps`` SFT steps per width in this process; returns medians (s), minor faults and system time."""
-    import launch  # noqa: F401  (applies runtime.host_allocator unless the environment sets malloc)
+    from runtime.host_allocator import keep_freed_memory
+    keep_freed_memory()  # before any thread starts; does nothing when the environment sets malloc
     import resource
     import time
 

@@ -11,7 +11,8 @@ The settings (``mallopt``): one arena for every thread (``M_ARENA_MAX``; the mai
 heap limit), no ``mmap`` for large blocks (``M_MMAP_MAX`` 0) and freed memory at the top of the heap kept up
 to 2 GiB (``M_TRIM_THRESHOLD``). Freed blocks are reused instead of returned to the system, so the
 resident size stays near its peak. The arena limit counts only while no thread has made an arena, hence
-``launch/__init__.py`` calls this before anything starts a thread, for the scripts in ``SCRIPTS`` only: one
+``launch/__init__.py`` calls this before anything starts a thread, for the scripts in ``SCRIPTS`` and only
+when JAX will run on the CPU (``runs_on_cpu``): one
 arena serialises threads that allocate often, and the TDD demo's convolution threads do (its fast preset took
 143 s instead of 113 s, with 1.7 M futex calls instead of 0.14 M).
 """

@@ -94,8 +94,9 @@ def _optimizer(config: StarPOConfig, section: str):
 
 
 def starpo_programs(model: TransformerConfig, config: StarPOConfig, mesh, *, batches: Batches,
-                    prompt_length: int) -> tuple[dict[str, Program], Any]:
-    """The compiled programs of one StarPO iteration; ``prompt_length``: the sampler's first-turn segment.
+                    prompt_length: int, cache_slots: int | None = None) -> tuple[dict[str, Program], Any]:
+    """The compiled programs of one StarPO iteration; ``prompt_length``: the sampler's first-turn segment,
+    ``cache_slots``: its KV cache's (default ``max_model_len + response_length``, as a run allocates).
 
     Also returns the state that stays on the devices for the whole run (train states, frozen
     parameters, the reference copy).
@@ -124,7 +125,7 @@ def starpo_programs(model: TransformerConfig, config: StarPOConfig, mesh, *, bat
     batch, new_tokens = groups.env_groups * groups.group_size, rollout.response_length
     sampler = make_sampler(graphdef, SamplerConfig(new_tokens, rollout.temperature, rollout.top_p,
                                                    max(rollout.top_k, 0)), mesh=mesh)
-    shape = cache_shape(model, batch, length + new_tokens)
+    shape = cache_shape(model, batch, cache_slots or length + new_tokens)
     cache = KVCache(sds(shape, model.compute_dtype, None), sds(shape, model.compute_dtype, None),
                     sds((batch,), jnp.int32, None))
     cache = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), cache, cache_shardings(cache, mesh))
@@ -157,6 +158,9 @@ def starpo_rows(model: TransformerConfig, config: StarPOConfig, mesh, prompt_len
 
     ``costs=False`` measures HBM only (FLOPs and bytes 0), skipping the loop-free copies. A decode step's
     cost is half of a sampler compiled on a one-token prompt (a one-token prefill and one decode step).
+    The sampler's copies hold ``prompt_length + response_length`` cache slots, a first turn's: a TPU's cached
+    attention reads only the filled slots (``starpo_jax.models.cache_attention``), so a later turn of a long
+    rollout costs more (``--prompt-length`` up to ``max_model_len`` bounds it).
     """
     batches = run_batches(config, mesh)
     programs, resident = starpo_programs(model, config, mesh, batches=batches, prompt_length=prompt_length)
@@ -170,7 +174,9 @@ def starpo_rows(model: TransformerConfig, config: StarPOConfig, mesh, prompt_len
     def unrolled(name: str, prompt: int) -> Callable[[int], Program]:
         one = one_critic if name in ("critic step", "values") else one_actor
         small = lambda depth: dataclasses.replace(model, num_layers=depth, scan_layers=False)  # noqa: E731
-        return lambda depth: starpo_programs(small(depth), config, mesh, batches=one, prompt_length=prompt)[0][name]
+        turn = prompt_length + config.actor_rollout_ref.rollout.response_length
+        return lambda depth: starpo_programs(small(depth), config, mesh, batches=one, prompt_length=prompt,
+                                             cache_slots=turn)[0][name]
 
     rows = []
     for name, program in programs.items():

@@ -18,7 +18,9 @@ from flax import nnx
 
 from jax.sharding import Mesh
 
+from runtime.sharding import constrain
 from starpo_jax.models.kv_cache import KVCache, cache_shardings
+from starpo_jax.models.transformer import DECODE_RESIDUAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +206,9 @@ def make_sampler(graphdef: nnx.GraphDef, config: SamplerConfig, stop: StopString
         slice_of = None if total_rows is None else (rows, total_rows)
         batch, n = tokens.shape[0], config.max_new_tokens
         hidden, cache = model.model(tokens, mask, cache)  # only the last position needs logits
+        last = constrain(hidden[:, -1:], DECODE_RESIDUAL)[:, 0]  # as a decode step's: no gathered LM head
         cache = placed(cache)
-        token, log_prob = choose(model.logits(hidden[:, -1]), jax.random.fold_in(key, 0), config, slice_of)
+        token, log_prob = choose(model.logits(last), jax.random.fold_in(key, 0), config, slice_of)
         num_strings = 0 if stop is None else stop.transitions.shape[0]
         ended, stop_state = _stopped(token, jnp.int32(0), jnp.zeros((batch, num_strings), jnp.int32), config, stop)
         state = _Loop(

@@ -12,6 +12,7 @@ from runtime.sharding import shard_batch, shard_state
 from starpo_jax.models.kv_cache import cache_shardings, init_cache
 from starpo_jax.models.transformer import CausalLM
 from starpo_jax import sampler as sampler_module
+from starpo_jax.models import cache_attention as cache_attention_module
 from starpo_jax.sampler import SamplerConfig, choose, filter_logits, make_sampler
 from starpo_jax.tokenizer import stop_string_automaton
 from starpo_hf_fixtures import numpy_initialised
@@ -158,10 +159,16 @@ def test_sampler_config_errors_name_the_field():
         SamplerConfig(4, temperature=0.0)
 
 
-def test_sampler_on_a_mesh_equals_single_device(setup):
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
+@pytest.mark.parametrize("route", ["cpu", "accelerator"])
+def test_sampler_on_a_mesh_equals_single_device(setup, monkeypatch, shape, route):
+    """Data or FSDP with tensor parallelism; on a TPU or GPU (the forced default branch) a decode step keeps its
+    residual split like the weights' embed axis (``DECODE_RESIDUAL``) and each row's attention reads its cache."""
     params, _, turns, _, _ = setup
     tokens, mask, expected = turns[0]
-    mesh = make_mesh(MeshConfig(2, 1, 2), jax.devices()[:4])
+    if route == "accelerator":
+        monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cpu, default: default(*args))
+    mesh = make_mesh(MeshConfig(*shape), jax.devices()[:4])
     with nnx.use_eager_sharding(False):
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(3))))
     config = SamplerConfig(max_new_tokens=NEW, temperature=0.8, stop_ids=(STOP_ID,), pad_id=0)
@@ -205,3 +212,25 @@ def test_turns_on_the_filled_slots_of_a_larger_cache_equal_the_whole_cache(setup
     cases = {empty: sampler.lower(params, tokens, mask, init_cache(CONFIG, BATCH, 64), jax.random.key(0), active,
                                   empty=empty).as_text().count("stablehlo.case") for empty in (False, True)}
     assert 0 < cases[True] < cases[False] / 3
+
+
+def test_the_accelerator_route_samples_what_the_cpu_route_samples(setup, monkeypatch):
+    """On a TPU or GPU (``lax.platform_dependent``'s default branch, forced here) the sampler runs on the whole
+    cache and each layer reads its filled slots in 12-slot blocks (``cache_attention``; at most 30 of the 40 are
+    filled): the same tokens, log-probs and cache as the CPU's route, turn after turn."""
+    params, _, turns, small, _ = setup
+    monkeypatch.setattr(cache_attention_module, "CACHE_BLOCK", 12)
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cpu, default: default(*args))
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(3))))
+    config = SamplerConfig(max_new_tokens=NEW, temperature=0.8, stop_ids=(STOP_ID,), pad_id=0)
+    sampler = make_sampler(graphdef, config, stop_string_automaton(PIECES, [STOP_STRING], CONFIG.vocab_size))
+    cache = init_cache(CONFIG, BATCH, SLOTS)
+    active = jnp.array([True, True, True, True, True, False])
+    for turn, (tokens, mask, expected) in enumerate(turns):
+        out = sampler(params, tokens, mask, cache, jax.random.key(turn), active)
+        cache = out.cache
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
+        np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(expected.log_probs), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(small.lengths))
+    np.testing.assert_allclose(np.asarray(cache.keys), np.asarray(small.keys), atol=1e-5)

@@ -17,6 +17,7 @@ from flax import nnx
 from runtime.chunked_attention import chunked_attention, query_chunk
 from runtime.sharding import constrain
 from starpo_jax.models import kv_cache
+from starpo_jax.models.cache_attention import cache_attention
 from starpo_jax.models.config import TransformerConfig
 from starpo_jax.models.kv_cache import KVCache
 from starpo_jax.models.lora import Dense, LoRAConfig
@@ -25,23 +26,36 @@ from starpo_jax.models.rope import apply_rope, inverse_frequencies
 
 # Logical axes of the residual stream, pinned after the embedding, each layer and the final norm.
 RESIDUAL = ("batch", "length", "act_embed")
+# In a decode step (one token per row) the residual is split like the weights' ``embed`` axis instead and its
+# rows are whole on every device: each device multiplies its own weight shards and only the few rows' partial
+# sums move, where the batch-split residual makes every device gather every weight at every step
+# (weight-stationary layout, Pope et al. 2022, sec. 3.2). Attention reads the cache's rows where they lie.
+DECODE_RESIDUAL = (None, "length", "embed")
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int = 0,
-           unroll: bool = False, cpu_kernel: bool = False) -> jax.Array:
+           unroll: bool = False, cpu_kernel: bool = False, filled: jax.Array | None = None) -> jax.Array:
     """``jax.nn.dot_product_attention`` of ``q[B, T, H, D]``, ``chunk`` queries at a time when ``chunk > 0``.
 
     Each block is rematerialised in the backward pass, so only one block's ``[B, H, chunk, S]`` scores
     are ever live instead of all ``[B, H, T, S]``; every query row's softmax is the same as unblocked.
     Without ``chunk``, ``cpu_kernel`` runs a segment of several tokens through ``_cpu_attention`` instead
     (``Decoder`` sets it in the CPU branch of its ``lax.platform_dependent``).
-    ``unroll`` unrolls the loop over blocks (for XLA's cost analysis, which counts a loop body once).
+    With ``filled``, ``k`` and ``v`` are a layer's cache ``[B, K, S, D]`` and each block of queries reads its
+    first ``filled`` slots (``cache_attention``).
+    ``unroll`` unrolls the loops over blocks (for XLA's cost analysis, which counts a loop body once).
     """
     t = q.shape[1]
+
+    def whole(q_block, mask_block):
+        if filled is not None:
+            return cache_attention(q_block, k, v, mask_block, filled, unroll)
+        return jax.nn.dot_product_attention(q_block, k, v, mask=mask_block)
+
     if not chunk or t <= chunk:
         if cpu_kernel and t > 1:
             return _cpu_attention(q, k, v, mask)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+        return whole(q, mask)
     blocks = -(-t // chunk)
     pad = blocks * chunk - t
     q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -49,7 +63,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int
                    ((0, 0), (0, 0), (0, pad), (0, 0)))
     q_blocks = jnp.moveaxis(q.reshape(q.shape[0], blocks, chunk, *q.shape[2:]), 1, 0)
     mask_blocks = jnp.moveaxis(mask.reshape(*mask.shape[:2], blocks, chunk, mask.shape[-1]), 2, 0)
-    one = jax.checkpoint(lambda block: jax.nn.dot_product_attention(block[0], k, v, mask=block[1]))
+    one = jax.checkpoint(lambda block: whole(*block))
     _, out = jax.lax.scan(lambda _, block: (None, one(block)), None, (q_blocks, mask_blocks), unroll=unroll)
     out = jnp.moveaxis(out, 0, 1)
     return out.reshape(out.shape[0], blocks * chunk, *out.shape[3:])[:, :t]
@@ -119,20 +133,25 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = inverse_frequencies(self.config)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        filled = None
         if cache_kv is None:
             key_positions, key_valid, new_kv = positions, mask, None
         else:
             cache_k, cache_v, lengths, layer = cache_kv
+            q = constrain(q, ("batch", "length", "act_heads", None))  # attend where the cache's rows are
             k = kv_cache.write(cache_k, k, positions, mask, layer)
             v = kv_cache.write(cache_v, v, positions, mask, layer)
             new_kv = (k, v)
             if layer is not None:
                 k, v = k[layer], v[layer]
             key_positions, key_valid = kv_cache.cache_key_mask(lengths, k.shape[2])
-            k, v = jnp.swapaxes(k, 1, 2).astype(q.dtype), jnp.swapaxes(v, 1, 2).astype(q.dtype)
+            if cpu_kernel:
+                k, v = jnp.swapaxes(k, 1, 2).astype(q.dtype), jnp.swapaxes(v, 1, 2).astype(q.dtype)
+            else:  # TPU, GPU: read the filled slots only
+                filled = jnp.max(lengths)
         bias_mask = kv_cache.attention_mask(positions, key_positions, key_valid)
         out = attend(q, k, v, bias_mask, self.config.attention_chunk, unroll=not self.config.scan_layers,
-                     cpu_kernel=cpu_kernel)
+                     cpu_kernel=cpu_kernel, filled=filled)
         return self.o_proj(out), new_kv
 
 
@@ -185,13 +204,14 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array, mask: jax.Array, cache: KVCache | None = None):
         """Hidden states ``[B, T, E]`` of a left-padded segment, and the cache with it appended."""
         mask = mask.astype(bool)
+        residual = DECODE_RESIDUAL if cache is not None and tokens.shape[1] == 1 else RESIDUAL
         lengths = jnp.zeros(tokens.shape[:1], jnp.int32) if cache is None else cache.lengths
         positions = kv_cache.segment_positions(mask, lengths)
-        x = constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.compute_dtype), RESIDUAL)
+        x = constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.compute_dtype), residual)
         graphdef, layer_state = nnx.split(self.layers)
         if cache is None:
             def body(h, state, cpu_kernel):
-                return constrain(nnx.merge(graphdef, state)(h, positions, mask, None, cpu_kernel)[0], RESIDUAL), None
+                return constrain(nnx.merge(graphdef, state)(h, positions, mask, None, cpu_kernel)[0], residual), None
             carry, xs = x, layer_state
         else:
             new_lengths = lengths + jnp.sum(mask, axis=-1, dtype=jnp.int32)
@@ -210,7 +230,7 @@ class Decoder(nnx.Module):
                     h, (k, v) = block(h, positions, mask, (keys[layer], values[layer], new_lengths, None), cpu_kernel)
                     update = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, layer, 0)  # noqa: E731
                     keys, values = update(keys, k), update(values, v)
-                return (constrain(h, RESIDUAL), keys, values), None
+                return (constrain(h, residual), keys, values), None
             carry, xs = (x, cache.keys, cache.values), (layer_state, jnp.arange(self.config.num_layers))
 
         def layers(carry, xs, cpu_kernel):
@@ -223,9 +243,9 @@ class Decoder(nnx.Module):
         carry = jax.lax.platform_dependent(carry, xs, cpu=functools.partial(layers, cpu_kernel=True),
                                            default=functools.partial(layers, cpu_kernel=False))
         if cache is None:
-            return constrain(self.norm(carry), RESIDUAL), None
+            return constrain(self.norm(carry), residual), None
         x, keys, values = carry
-        return constrain(self.norm(x), RESIDUAL), KVCache(keys, values, new_lengths)
+        return constrain(self.norm(x), residual), KVCache(keys, values, new_lengths)
 
 
 class CausalLM(nnx.Module):

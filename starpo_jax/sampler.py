@@ -3,7 +3,9 @@
 Every row stops on its own (stop ids, stop strings, length cap); the loop ends when
 all rows have stopped. Each generated token, the stop token included, is written to
 the KV cache, so the returned cache continues into the next turn. On the CPU each
-cached call runs on the cache's filled slots only (``on_filled_slots``).
+cached call runs on the cache's filled slots only (``on_filled_slots``); on a TPU or GPU
+each layer's attention reads the filled blocks of the whole cache (``starpo_jax.models.cache_attention``)
+and a decode step leaves every weight shard where it is (``starpo_jax.models.transformer.DECODE_RESIDUAL``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ once, so FLOPs and bytes come from loop-free copies: the decoder at depth 1 and 
 unrolled, extrapolated linearly to the real depth (each stack of the UNet's transformers likewise, from
 2 and 3 deep); one micro-batch, times the micro-batches (the optimizer update, compiled alone, once);
 the sampler's prefill plus ``response_length - 1`` decode steps, a decode step being half of a sampler
-compiled on a one-token prompt (a one-token prefill and one decode step). ``--suggest`` searches data/fsdp/tensor meshes, then remat, then smaller
+compiled on a one-token prompt (a one-token prefill and one decode step), both on a first turn's cache
+(``--prompt-length`` + ``response_length`` slots: a TPU's cached attention reads only the filled ones).
+``--suggest`` searches data/fsdp/tensor meshes, then remat, then smaller
 micro-batches, for a configuration whose every program fits.
 
 Each measured program is stored in ``--cache`` (keyed by its lowered text, devices and the jax / libtpu
@@ -74,7 +76,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                                          "TDD: a launch.tdd distil preset (default sdxl)")
     parser.add_argument("--model", default="Qwen2.5-0.5B", help=f"StarPO: {', '.join(DECODERS)} or a config.json")
     parser.add_argument("--unet", default="SDXL", help=f"TDD: {', '.join(UNETS)} or a diffusers unet/config.json")
-    parser.add_argument("--prompt-length", type=int, default=512, help="StarPO: tokens of the sampler's prompt")
+    parser.add_argument("--prompt-length", type=int, default=512,
+                        help="StarPO: tokens of the sampler's prompt (its cost: a turn of this prompt and response)")
     parser.add_argument("--no-costs", action="store_true", help="HBM only: skip the loop-free copies for FLOPs/bytes")
     parser.add_argument("--suggest", action="store_true", help="when a program does not fit, search a mesh that does")
     parser.add_argument("--max-tries", type=int, default=8, help="configurations --suggest compiles at most")

@@ -1,5 +1,7 @@
 """The compiled sampler: log-probs agree with a teacher-forced forward, turns continue one cache, rows stop alone."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,15 +216,18 @@ def test_turns_on_the_filled_slots_of_a_larger_cache_equal_the_whole_cache(setup
     assert 0 < cases[True] < cases[False] / 3
 
 
-def test_the_accelerator_route_samples_what_the_cpu_route_samples(setup, monkeypatch):
+@pytest.mark.parametrize("attention_chunk", [0, 2])
+def test_the_accelerator_route_samples_what_the_cpu_route_samples(setup, monkeypatch, attention_chunk):
     """On a TPU or GPU (``lax.platform_dependent``'s default branch, forced here) the sampler runs on the whole
     cache and each layer reads its filled slots in 12-slot blocks (``cache_attention``; at most 30 of the 40 are
-    filled): the same tokens, log-probs and cache as the CPU's route, turn after turn."""
+    filled), for all queries at once or 2 at a time: the same tokens, log-probs and cache as the CPU's route,
+    turn after turn."""
     params, _, turns, small, _ = setup
     monkeypatch.setattr(cache_attention_module, "CACHE_BLOCK", 12)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cpu, default: default(*args))
+    config = dataclasses.replace(CONFIG, attention_chunk=attention_chunk)
     with nnx.use_eager_sharding(False):
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(3))))
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(3))))
     config = SamplerConfig(max_new_tokens=NEW, temperature=0.8, stop_ids=(STOP_ID,), pad_id=0)
     sampler = make_sampler(graphdef, config, stop_string_automaton(PIECES, [STOP_STRING], CONFIG.vocab_size))
     cache = init_cache(CONFIG, BATCH, SLOTS)
